@@ -1,0 +1,88 @@
+#include "ffi/gemm_ffi.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "gemm/gemm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_hopper {
+namespace {
+
+std::string shape_str(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+ffi::Error to_ffi(const Status& st) {
+  switch (st.code) {
+    case Status::kOk:
+      return ffi::Error::Success();
+    case Status::kInvalidArgument:
+      return ffi::Error::InvalidArgument("jax_hopper_gemm: " + st.message);
+    default:
+      return ffi::Error::Internal("jax_hopper_gemm: " + st.message);
+  }
+}
+
+// The custom call's contract (the Python lowering guarantees it; everything is
+// re-checked here so a malformed call is rejected instead of read out of bounds):
+//  c is [M, N]; a is [M, K] (or [K, ldA >= M] with transpose_a); b is [K, ldB >= N] (or
+//  [N, K] with transpose_b). A stored row may be longer than its logical extent: the
+//  Python side pads rows to the 16-byte multiple TMA needs and those columns are not read.
+ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> c,
+                    int32_t transpose_a, int32_t transpose_b, int32_t stages) {
+  const auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
+  if (da.size() != 2 || db.size() != 2 || dc.size() != 2)
+    return ffi::Error::InvalidArgument("jax_hopper_gemm: operands must be rank 2, got a" + shape_str(da) + " b" +
+                                       shape_str(db) + " c" + shape_str(dc));
+  const auto type = a.element_type();
+  if (b.element_type() != type || c->element_type() != type ||
+      (type != ffi::DataType::F16 && type != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("jax_hopper_gemm: a, b and c must all be f16 or all bf16");
+
+  GemmArgs args;
+  args.dtype = type == ffi::DataType::F16 ? ElementType::kF16 : ElementType::kBF16;
+  args.major_a = transpose_a ? Major::kMN : Major::kK;
+  args.major_b = transpose_b ? Major::kK : Major::kMN;
+  args.m = dc[0];
+  args.n = dc[1];
+  args.ldc = dc[1];
+  // Stored shapes: the contiguous (second) dim is the row length; the other names M/N/K.
+  const int64_t a_outer = da[0], b_outer = db[0];
+  args.lda = da[1];
+  args.ldb = db[1];
+  args.k = transpose_a ? a_outer : da[1];
+  const int64_t k_b = transpose_b ? db[1] : b_outer;
+  const bool a_rows_ok = transpose_a ? true : a_outer == args.m;
+  const bool b_rows_ok = transpose_b ? b_outer == args.n : true;
+  if (k_b != args.k || !a_rows_ok || !b_rows_ok)
+    return ffi::Error::InvalidArgument("jax_hopper_gemm: inconsistent shapes a" + shape_str(da) + " b" +
+                                       shape_str(db) + " c" + shape_str(dc) + " (transpose_a=" +
+                                       std::to_string(transpose_a) + ", transpose_b=" + std::to_string(transpose_b) +
+                                       ")");
+  args.a = a.untyped_data();
+  args.b = b.untyped_data();
+  args.c = c->untyped_data();
+  KernelChoice choice;
+  choice.stages = stages;
+  return to_ffi(gemm(args, choice, stream));
+}
+
+}  // namespace
+}  // namespace jax_hopper
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemm, jax_hopper::GemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Ret<ffi::AnyBuffer>()  // c
+                                  .Attr<int32_t>("transpose_a")
+                                  .Attr<int32_t>("transpose_b")
+                                  .Attr<int32_t>("stages"));

@@ -1,0 +1,7 @@
+// XLA FFI handler for C = A * B on Hopper.
+#pragma once
+#include "xla/ffi/api/api.h"
+
+// Operands: a, b (f16 or bf16, rank 2); result: c [M, N] of the same type.
+// Attributes: transpose_a (A stored [K, M]), transpose_b (B stored [N, K]), stages.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemm);

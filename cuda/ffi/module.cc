@@ -1,0 +1,15 @@
+// The Python extension: hands the FFI handlers to jax as capsules.
+#include <nanobind/nanobind.h>
+
+#include "ffi/gemm_ffi.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_jax_hopper, m) {
+  m.doc() = "jax_hopper XLA FFI handlers (Hopper sm_90a GEMM)";
+  m.def("registrations", []() {
+    nb::dict targets;
+    targets["jax_hopper_gemm"] = nb::capsule(reinterpret_cast<void*>(JaxHopperGemm));
+    return targets;
+  });
+}

@@ -1,0 +1,99 @@
+// Argument validation and dispatch to the compiled kernel instances.
+#include "gemm/gemm.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+namespace jax_hopper {
+
+// Defined by the generated per-instance translation units (instances.def).
+template <ElementType kType, Major kMajorA, Major kMajorB, int kStages>
+Status launch_gemm_instance(const GemmArgs& args, cudaStream_t stream);
+
+namespace {
+
+using LaunchFn = Status (*)(const GemmArgs&, cudaStream_t);
+
+struct Instance {
+  ElementType dtype;
+  Major major_a, major_b;
+  int stages;
+  LaunchFn launch;
+};
+
+constexpr Instance kInstances[] = {
+#define JAX_HOPPER_GEMM_INSTANCE(T, A, B, S) \
+  {ElementType::T, Major::A, Major::B, S, &launch_gemm_instance<ElementType::T, Major::A, Major::B, S>},
+#include "gemm/instances.def"
+#undef JAX_HOPPER_GEMM_INSTANCE
+};
+
+constexpr int64_t kTmaStrideAlignElems = 8;  // 16-byte global strides for 16-bit elements
+constexpr uintptr_t kTmaBaseAlignBytes = 16;
+constexpr int kHopperMajor = 9;
+
+Status check_operand(const char* name, const void* ptr, int64_t ld, int64_t contiguous_extent) {
+  if (ptr == nullptr) return Status::Invalid(std::string(name) + " is a null pointer");
+  if (reinterpret_cast<uintptr_t>(ptr) % kTmaBaseAlignBytes != 0)
+    return Status::Invalid(std::string(name) + " is not 16-byte aligned, which TMA requires");
+  if (ld < contiguous_extent)
+    return Status::Invalid(std::string(name) + " row length " + std::to_string(ld) + " is shorter than its extent " +
+                           std::to_string(contiguous_extent));
+  if (ld % kTmaStrideAlignElems != 0)
+    return Status::Invalid(std::string(name) + " row length " + std::to_string(ld) +
+                           " is not a multiple of 8 elements (16 bytes), which TMA requires; pad it");
+  return Status::Ok();
+}
+
+Status check_device() {
+  int device = 0, major = 0, minor = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (err != cudaSuccess) return Status::Internal(std::string("querying the CUDA device: ") + cudaGetErrorString(err));
+  if (major != kHopperMajor)
+    return Status::Invalid("jax_hopper's kernel needs a Hopper GPU (sm_90a); device " + std::to_string(device) +
+                           " is sm_" + std::to_string(major) + std::to_string(minor));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t stream) {
+  if (args.m < 0 || args.n < 0 || args.k < 0) return Status::Invalid("negative problem size");
+  constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();  // TMA coordinates are int32
+  if (args.m > kMaxDim || args.n > kMaxDim || args.k > kMaxDim)
+    return Status::Invalid("M, N and K must each be below 2^31");
+  if (args.m == 0 || args.n == 0) return Status::Ok();
+  if (args.c == nullptr) return Status::Invalid("C is a null pointer");
+  if (args.ldc < args.n) return Status::Invalid("C row length is shorter than N");
+  constexpr size_t kElementBytes = 2;
+  if (args.k == 0) {  // empty sum: C = 0
+    const cudaError_t err = cudaMemset2DAsync(args.c, args.ldc * kElementBytes, 0, args.n * kElementBytes,
+                                              args.m, stream);
+    if (err != cudaSuccess) return Status::Internal(std::string("cudaMemset2DAsync: ") + cudaGetErrorString(err));
+    return Status::Ok();
+  }
+  const bool a_k_major = args.major_a == Major::kK;
+  const bool b_k_major = args.major_b == Major::kK;
+  Status st = check_operand("A", args.a, args.lda, a_k_major ? args.k : args.m);
+  if (!st.ok()) return st;
+  st = check_operand("B", args.b, args.ldb, b_k_major ? args.k : args.n);
+  if (!st.ok()) return st;
+  st = check_device();
+  if (!st.ok()) return st;
+
+  for (const Instance& inst : kInstances) {
+    if (inst.dtype == args.dtype && inst.major_a == args.major_a && inst.major_b == args.major_b &&
+        inst.stages == choice.stages)
+      return inst.launch(args, stream);
+  }
+  return Status::Invalid("no compiled kernel for this dtype/layout with " + std::to_string(choice.stages) +
+                         " stages (A " + (a_k_major ? "K" : "M") + "-major, B " + (b_k_major ? "K" : "N") +
+                         "-major; see cuda/gemm/instances.def)");
+}
+
+}  // namespace jax_hopper

@@ -1,0 +1,50 @@
+// Host-side entry point of the GEMM library: plain C++, no device code, so the FFI
+// handler (compiled by the host compiler) depends only on this header.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+namespace jax_hopper {
+
+enum class ElementType { kF16, kBF16 };
+
+// Which dimension of a stored operand is contiguous. A is M x K and B is K x N
+// logically; jnp.dot's A [M, K] is K-major, its B [K, N] is MN-major.
+enum class Major { kK, kMN };
+
+struct GemmArgs {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* c = nullptr;  // row-major M x N, row length ldc
+  int64_t m = 0, n = 0, k = 0;
+  // Stored row lengths in elements: A is [M][lda] when K-major, [K][lda] when M-major;
+  // B is [N][ldb] when K-major, [K][ldb] when N-major. TMA needs them to be multiples
+  // of 8 (16 bytes); the logical extent may be smaller (padding columns are never read).
+  int64_t lda = 0, ldb = 0, ldc = 0;
+  ElementType dtype = ElementType::kF16;
+  Major major_a = Major::kK;
+  Major major_b = Major::kMN;
+};
+
+// Compile-time kernel parameters that are selectable at run time (each choice is an
+// explicit instantiation listed in instances.def).
+struct KernelChoice {
+  int stages = 4;
+};
+
+struct Status {
+  enum Code { kOk, kInvalidArgument, kInternal } code = kOk;
+  std::string message;
+  static Status Ok() { return {}; }
+  static Status Invalid(std::string m) { return {kInvalidArgument, std::move(m)}; }
+  static Status Internal(std::string m) { return {kInternal, std::move(m)}; }
+  bool ok() const { return code == kOk; }
+};
+
+// Enqueues C = A * B on `stream`. Validates the arguments, handles empty problems
+// (K == 0 writes zeros) and reports any CUDA error; never synchronises.
+Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t stream);
+
+}  // namespace jax_hopper

@@ -1,0 +1,79 @@
+// Host launch of one kernel configuration: tensor maps, shared-memory opt-in, grid.
+// Included only by the generated per-instance translation units.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "gemm/config.cuh"
+#include "gemm/gemm.h"
+#include "gemm/kernel.cuh"
+#include "hopper/tensor_map.h"
+
+namespace jax_hopper {
+
+template <ElementType kType>
+struct ElementOf;
+template <>
+struct ElementOf<ElementType::kF16> {
+  using type = __half;
+};
+template <>
+struct ElementOf<ElementType::kBF16> {
+  using type = __nv_bfloat16;
+};
+
+inline Status cuda_status(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::Ok();
+  return Status::Internal(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Tensor map of one operand: `mn` is its M (or N) extent, `ld` its stored row length.
+template <class Layout>
+Status encode_operand(CUtensorMap* map, const void* ptr, int64_t mn, int64_t k, int64_t ld) {
+  hopper::TensorMap2d d;
+  d.base = ptr;
+  d.row_stride = static_cast<uint64_t>(ld);
+  d.box_inner = Layout::kBoxInner;
+  d.box_outer = Layout::kBoxOuter;
+  d.inner = static_cast<uint64_t>(Layout::kKMajor ? k : mn);
+  d.outer = static_cast<uint64_t>(Layout::kKMajor ? mn : k);
+  return hopper::encode_tensor_map_2d(map, d);
+}
+
+template <class Cfg>
+Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
+  using Element = typename Cfg::Element;
+  CUtensorMap tmap_a, tmap_b;
+  Status st = encode_operand<typename Cfg::LayoutA>(&tmap_a, args.a, args.m, args.k, args.lda);
+  if (!st.ok()) return st;
+  st = encode_operand<typename Cfg::LayoutB>(&tmap_b, args.b, args.n, args.k, args.ldb);
+  if (!st.ok()) return st;
+
+  constexpr size_t kSmem = smem_bytes<Cfg>();
+  static_assert(kSmem <= kMaxSmemPerBlock, "pipeline stages do not fit in shared memory");
+  const auto kernel = gemm_kernel<Cfg>;
+  // Per device and cheap; set on every launch so a new device/context is always covered.
+  st = cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+                   "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  if (!st.ok()) return st;
+
+  const OutputParams<Element> out{static_cast<Element*>(args.c), args.ldc, static_cast<int>(args.m),
+                                  static_cast<int>(args.n),
+                                  args.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(args.c) % 4 == 0};
+  const SwizzledTileScheduler<Cfg::kRasterSwizzle> scheduler{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
+                                                             static_cast<int>(ceil_div(args.n, Cfg::kBlockN))};
+  const int k_tiles = static_cast<int>(ceil_div(args.k, Cfg::kBlockK));
+  kernel<<<scheduler.num_tiles(), Cfg::kThreads, kSmem, stream>>>(tmap_a, tmap_b, out, k_tiles, scheduler);
+  return cuda_status(cudaGetLastError(), "gemm kernel launch");
+}
+
+// The symbol each generated translation unit instantiates (see instances.def).
+template <ElementType kType, Major kMajorA, Major kMajorB, int kStages>
+Status launch_gemm_instance(const GemmArgs& args, cudaStream_t stream) {
+  return launch_gemm<GemmConfig<typename ElementOf<kType>::type, kMajorA, kMajorB, kStages>>(args, stream);
+}
+
+}  // namespace jax_hopper

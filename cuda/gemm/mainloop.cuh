@@ -1,0 +1,104 @@
+// The V5 mainloop: a TMA producer filling the ring, and consumers that keep one wgmma
+// group in flight (wait_group(1)) with the stage release lagging one K tile behind.
+#pragma once
+#include <cuda.h>
+
+#include "gemm/config.cuh"
+#include "gemm/pipeline.cuh"
+#include "gemm/tile_scheduler.cuh"
+#include "hopper/tma.cuh"
+#include "hopper/warpgroup.cuh"
+#include "hopper/wgmma.cuh"
+
+namespace jax_hopper {
+
+template <class Cfg>
+struct Mainloop {
+  using Element = typename Cfg::Element;
+  using LayoutA = typename Cfg::LayoutA;
+  using LayoutB = typename Cfg::LayoutB;
+  using Storage = SharedStorage<Cfg>;
+  using State = PipelineState<Cfg::kStages>;
+  using Pipe = Pipeline<Cfg::kStages>;
+
+  // ---- producer: run by one thread of the producer warp -------------------------------
+  template <class Layout>
+  __device__ static void load_tile(Element* dst, const CUtensorMap* tmap, uint64_t* bar, int mn0,
+                                   int k0) {
+#pragma unroll
+    for (int box = 0; box < Layout::kBoxes; ++box) {
+      int32_t inner, outer;
+      Layout::box_coords(box, mn0, k0, inner, outer);
+      hopper::tma_load_2d(Layout::box_dst(dst, box), tmap, bar, inner, outer);
+    }
+  }
+
+  __device__ static void load(const Pipe& pipe, Storage& smem, const CUtensorMap* tmap_a,
+                              const CUtensorMap* tmap_b, TileCoord tile, int k_tiles) {
+    const int m0 = tile.m_block * Cfg::kBlockM;
+    const int n0 = tile.n_block * Cfg::kBlockN;
+    State st = producer_start_state<Cfg::kStages>();
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      pipe.producer_acquire(st);
+      // Out-of-bounds parts of a box are zero-filled and still count toward the bytes.
+      pipe.producer_expect(st, Cfg::kStageBytes);
+      auto& stage = smem.stages[st.index];
+      load_tile<LayoutA>(stage.a, tmap_a, pipe.producer_barrier(st), m0, kt * Cfg::kBlockK);
+      load_tile<LayoutB>(stage.b, tmap_b, pipe.producer_barrier(st), n0, kt * Cfg::kBlockK);
+      st.advance();
+    }
+    // Drain: one more acquire per stage waits for the consumers' last release of every
+    // stage still in use, so this warp never exits with arrivals on its ring outstanding.
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      pipe.producer_acquire(st);
+      st.advance();
+    }
+  }
+
+  // ---- consumer: run by a whole consumer warpgroup -------------------------------------
+  // The four m64n256k16 MMAs of one K tile; `accumulate` false starts a fresh sum.
+  __device__ static void mma_k_tile(const typename Storage::Stage& stage, int warpgroup,
+                                    float (&acc)[Cfg::kAccumulators], bool accumulate) {
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kMmasPerKTile; ++kk) {
+      const uint64_t desc_a = LayoutA::template descriptor<Cfg::kMmaK>(stage.a, warpgroup, kk);
+      const uint64_t desc_b = LayoutB::template descriptor<Cfg::kMmaK>(stage.b, 0, kk);
+      hopper::wgmma_m64n256k16<Element, LayoutA::kTranspose, LayoutB::kTranspose>(
+          acc, desc_a, desc_b, (accumulate || kk > 0) ? 1 : 0);
+    }
+  }
+
+  __device__ static void mma(const Pipe& pipe, const Storage& smem, int warpgroup, int k_tiles,
+                             float (&acc)[Cfg::kAccumulators]) {
+    const bool elected = hopper::thread_in_warpgroup() == 0;
+    State read = consumer_start_state<Cfg::kStages>();
+
+    // Prologue: issue K tile 0 and leave it in flight.
+    pipe.consumer_wait(read);
+    hopper::wgmma_fence();
+    mma_k_tile(smem.stages[read.index], warpgroup, acc, /*accumulate=*/false);
+    hopper::wgmma_commit_group();
+    State release = read;  // the stage whose MMA retires next
+    read.advance();
+
+    // Steady state: issue tile kt, then retire tile kt-1 and hand its stage back. The
+    // stage of tile kt is still being read by the tensor cores, so it is never released
+    // here: release trails read by exactly one stage.
+    for (int kt = 1; kt < k_tiles; ++kt) {
+      pipe.consumer_wait(read);
+      hopper::wgmma_fence();
+      mma_k_tile(smem.stages[read.index], warpgroup, acc, /*accumulate=*/true);
+      hopper::wgmma_commit_group();
+      hopper::wgmma_wait_group<1>();
+      if (elected) pipe.consumer_release(release);
+      release.advance();
+      read.advance();
+    }
+
+    // Tail: retire the last MMA and release its stage (the producer's drain waits on it).
+    hopper::wgmma_wait_group<0>();
+    if (elected) pipe.consumer_release(release);
+  }
+};
+
+}  // namespace jax_hopper

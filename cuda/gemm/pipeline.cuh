@@ -1,0 +1,69 @@
+// The shared-memory ring between the TMA producer and the consumer warpgroups: per
+// stage a `full` barrier (1 arrival + TMA bytes) and an `empty` barrier (one elected
+// arrival per consumer warpgroup), and an {index, phase} cursor for each side.
+#pragma once
+#include <cstdint>
+
+#include "hopper/mbarrier.cuh"
+
+namespace jax_hopper {
+
+template <int kStages>
+struct PipelineState {
+  int index = 0;
+  uint32_t phase = 0;
+  // Stage wraps to 0 => the barriers of the ring enter their next phase.
+  __device__ void advance() {
+    if (++index == kStages) {
+      index = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// The producer starts at phase 1: a fresh barrier is in phase 0, so its first wait on
+// each empty barrier passes at once (every stage starts out free).
+template <int kStages>
+__device__ PipelineState<kStages> producer_start_state() {
+  return {0, 1};
+}
+template <int kStages>
+__device__ PipelineState<kStages> consumer_start_state() {
+  return {0, 0};
+}
+
+template <int kStages>
+struct Pipeline {
+  uint64_t* full;
+  uint64_t* empty;
+
+  // One thread initialises; the caller fences and syncs the block before first use.
+  __device__ void init(int consumer_arrivals) const {
+    for (int s = 0; s < kStages; ++s) {
+      hopper::mbarrier_init(&full[s], 1);
+      hopper::mbarrier_init(&empty[s], consumer_arrivals);
+    }
+    hopper::fence_barrier_init();
+  }
+
+  __device__ void producer_acquire(const PipelineState<kStages>& st) const {
+    hopper::mbarrier_wait(&empty[st.index], st.phase);
+  }
+  // Arrives on full[stage] announcing the bytes the TMA loads that follow will deliver.
+  __device__ void producer_expect(const PipelineState<kStages>& st, uint32_t bytes) const {
+    hopper::mbarrier_arrive_expect_tx(&full[st.index], bytes);
+  }
+  __device__ uint64_t* producer_barrier(const PipelineState<kStages>& st) const {
+    return &full[st.index];
+  }
+  __device__ void consumer_wait(const PipelineState<kStages>& st) const {
+    hopper::mbarrier_wait(&full[st.index], st.phase);
+  }
+  // Called by one elected thread per consumer warpgroup, only once the wgmma that read
+  // the stage has retired (wgmma.wait_group), never merely after issuing it.
+  __device__ void consumer_release(const PipelineState<kStages>& st) const {
+    hopper::mbarrier_arrive(&empty[st.index]);
+  }
+};
+
+}  // namespace jax_hopper

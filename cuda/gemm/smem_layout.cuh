@@ -1,0 +1,82 @@
+// How one operand tile (kExtent rows of M or N by kBlockK of K) sits in shared memory,
+// and the TMA boxes and wgmma descriptors that agree on it. Both majors use the
+// 128-byte swizzle; the difference is only which dimension runs along the 128-byte row.
+//
+//   K-major  (A [M,K], B [N,K]):  [kExtent][64 K]           one TMA box {64 K, kExtent}
+//   MN-major (A [K,M], B [K,N]):  [kExtent/64][64 K][64 MN]  boxes {64 MN, 64 K}
+//
+// In both, 64 rows of M/N start 8 KB apart, so a consumer warpgroup's 64-row slice of A
+// is the same offset either way.
+#pragma once
+#include <cstdint>
+
+#include "gemm/gemm.h"
+#include "hopper/wgmma.cuh"
+
+namespace jax_hopper {
+
+constexpr int kSwizzleBytes = 128;
+constexpr int kSwizzleAtomRows = 8;                                     // 8 x 128 B = 1 KB
+constexpr uint32_t kSwizzleAtomBytes = kSwizzleBytes * kSwizzleAtomRows;  // 1024
+constexpr int kTmaMaxBoxDim = 256;
+
+template <class Element, Major kMajor, int kExtent, int kBlockK>
+struct OperandLayout {
+  static constexpr int kRowElems = kSwizzleBytes / sizeof(Element);  // 64
+  static_assert(kBlockK == kRowElems, "one K tile is exactly one swizzle row of K");
+  static_assert(kExtent % kRowElems == 0, "tile extent must be whole 64-element chunks");
+
+  static constexpr int kElements = kExtent * kBlockK;
+  static constexpr uint32_t kBytes = kElements * sizeof(Element);
+  static constexpr uint32_t kBytesPer64Rows = 64 * kBlockK * sizeof(Element);  // 8 KB
+
+  static constexpr bool kKMajor = kMajor == Major::kK;
+  // wgmma transpose immediate: 0 reads the operand K-major, 1 reads it MN-major.
+  static constexpr int kTranspose = kKMajor ? 0 : 1;
+
+  // TMA: K-major takes the whole tile in one box; MN-major one box per 64 MN elements
+  // (a 128-byte swizzled box row is at most 64 16-bit elements wide).
+  static constexpr int kBoxInner = kRowElems;
+  static constexpr int kBoxOuter = kKMajor ? kExtent : kBlockK;
+  static constexpr int kBoxes = kKMajor ? 1 : kExtent / kRowElems;
+  static constexpr uint32_t kBoxBytes = kBoxInner * kBoxOuter * sizeof(Element);
+  static_assert(kBoxOuter <= kTmaMaxBoxDim, "TMA box dimension limit");
+
+  // Descriptor byte offsets (PTX ISA, canonical 128B-swizzle layouts):
+  //  K-major: SBO = distance between 8-row core-matrix groups along M/N; LBO unused.
+  //  MN-major: LBO = distance between 64-element chunks along M/N; SBO = distance
+  //  between groups of 8 K rows.
+  static constexpr uint32_t kLeadingByteOffset = kKMajor ? 16 : kBytesPer64Rows;
+  static constexpr uint32_t kStrideByteOffset = kSwizzleAtomBytes;
+  // Advancing K by one wgmma (16 elements): 32 bytes along a swizzled K-major row (the
+  // hardware applies the swizzle to the final address), or 16 rows of 128 B MN-major.
+  template <int kMmaK>
+  static constexpr uint32_t k_step_bytes() {
+    return kKMajor ? kMmaK * sizeof(Element) : kMmaK * kSwizzleBytes;
+  }
+
+  // Descriptor for the wgmma that reads rows [64*slice, 64*slice + mma rows) and K
+  // elements [16*k_step, 16*k_step + 16) of this tile.
+  template <int kMmaK>
+  __device__ static uint64_t descriptor(const Element* tile, int slice, int k_step) {
+    const char* base = reinterpret_cast<const char*>(tile) + slice * kBytesPer64Rows +
+                       k_step * k_step_bytes<kMmaK>();
+    return hopper::make_smem_desc(base, kLeadingByteOffset, kStrideByteOffset);
+  }
+
+  // TMA box `box` of the tile whose first M/N row is mn0 and first K element is k0.
+  __device__ static void box_coords(int box, int mn0, int k0, int32_t& inner, int32_t& outer) {
+    if constexpr (kKMajor) {
+      inner = k0;
+      outer = mn0;
+    } else {
+      inner = mn0 + box * kRowElems;
+      outer = k0;
+    }
+  }
+  __device__ static Element* box_dst(Element* tile, int box) {
+    return tile + box * (kBoxBytes / sizeof(Element));
+  }
+};
+
+}  // namespace jax_hopper

@@ -1,0 +1,47 @@
+// mbarrier PTX wrappers (shared::cta barriers, PTX ISA "Parallel Synchronization and
+// Communication Instructions: mbarrier"). The only place mbarrier asm lives.
+#pragma once
+#include <cstdint>
+
+namespace jax_hopper::hopper {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrival_count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrival_count));
+}
+
+// Makes barrier initialisation visible to the async proxy (TMA) before first use.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// One arrival that also raises the phase's expected transaction byte count: the phase
+// completes when the arrival count is reached and `bytes` have landed through TMA.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Blocks until the phase with parity `phase` has completed. A fresh barrier is in
+// phase 0, so waiting on parity 1 returns at once (the "previous" phase counts as done).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(phase)
+      : "memory");
+}
+
+}  // namespace jax_hopper::hopper

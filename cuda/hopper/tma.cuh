@@ -1,0 +1,27 @@
+// TMA (cp.async.bulk.tensor) PTX wrappers. Loads complete on an mbarrier through its
+// transaction count; out-of-bounds box elements are zero-filled by the hardware.
+#pragma once
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "hopper/mbarrier.cuh"
+
+namespace jax_hopper::hopper {
+
+// Pulls the descriptor into the constant cache before the first load uses it.
+__device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* tmap) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
+}
+
+// 2-D tile load: coordinates are (innermost, outer) in elements.
+__device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* tmap, uint64_t* bar,
+                                            int32_t inner, int32_t outer) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(smem_addr(bar)), "r"(inner), "r"(outer)
+      : "memory");
+}
+
+}  // namespace jax_hopper::hopper

@@ -1,0 +1,50 @@
+"""Loading the compiled extension and registering its XLA FFI targets with jax.
+
+Kept apart from the op definitions: everything here is about the shared library, and
+nothing else in the package imports the extension directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+
+GEMM_TARGET = "jax_hopper_gemm"
+
+try:
+    from jax_hopper import _jax_hopper  # the nanobind extension built by CMake
+except ImportError as err:  # built without nvcc, or not built at all
+    _jax_hopper = None
+    _IMPORT_ERROR: ImportError | None = err
+else:
+    _IMPORT_ERROR = None
+
+
+def kernel_available() -> bool:
+    """True when the CUDA kernel was compiled into this installation."""
+    return _jax_hopper is not None
+
+
+@functools.cache
+def register() -> bool:
+    """Registers the FFI targets for the CUDA platform once; returns kernel_available().
+
+    Registering on a CPU-only jaxlib is accepted (queued until a CUDA plugin loads), so
+    this is safe to call at import everywhere.
+    """
+    if _jax_hopper is None:
+        return False
+    for name, capsule in _jax_hopper.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    return True
+
+
+@functools.cache
+def warn_no_kernel_once(reason: str) -> None:
+    warnings.warn(f"jax_hopper: {reason}; computing through XLA's dot instead.", RuntimeWarning, stacklevel=3)
+
+
+def missing_kernel_reason() -> str:
+    return f"the CUDA kernel is not built into this installation ({_IMPORT_ERROR})"

@@ -1,0 +1,250 @@
+"""Benchmark: jax_hopper against jnp.dot (and torch.matmul where importable), side by side.
+
+    python -m jax_hopper.bench                       # 8192^3 and 4096^3, f16
+    python -m jax_hopper.bench --shapes 8192 --stages 2,3,4   # the seed's depth table
+    python -m jax_hopper.bench --dtype bf16 --shapes 4096x14336x4096 --json out.json
+
+Protocol (../shared/GUIDE.md section 5): the seed's data (standard normal scaled by
+K^-1/4, so C has unit variance); enough distinct input sets that they do not fit in L2,
+used in rotation; warm-up; variants interleaved sample by sample; medians. Two figures:
+kernel time (device time of the kernels one call launches, read through CUPTI by
+jax.experimental.mosaic.gpu.profiler.measure; CUDA events for torch) and sustained
+throughput (back-to-back async dispatches, where the chip meets its power limit).
+Ratios are jnp.dot time / ours: above 1 means ours is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_hopper._primitive import gemm
+
+L2_BYTES = 60 * 2**20  # H200
+MAX_INPUT_SETS = 64
+KERNEL_SAMPLES = 15  # kernel-time samples per variant
+SUSTAINED_SECONDS = 0.4  # target length of one sustained loop
+SUSTAINED_ROUNDS = 3
+DTYPES = {"f16": jnp.float16, "bf16": jnp.bfloat16}
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    parts = [int(p) for p in text.lower().split("x")]
+    if len(parts) == 1:
+        return parts[0], parts[0], parts[0]
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"shape must be N or MxNxK, got {text!r}")
+    return tuple(parts)
+
+
+def make_inputs(m, n, k, dtype, n_sets, seed=0):
+    scale = 1.0 / k**0.25  # the seed benchmark's data: C ~ unit variance
+    sets = []
+    for i in range(n_sets):
+        ka, kb = jax.random.split(jax.random.key(seed + i))
+        a = (jax.random.normal(ka, (m, k), jnp.float32) * scale).astype(dtype)
+        b = (jax.random.normal(kb, (k, n), jnp.float32) * scale).astype(dtype)
+        sets.append((a, b))
+    jax.block_until_ready(sets)
+    return sets
+
+
+def input_set_count(m, n, k, itemsize) -> int:
+    set_bytes = (m * k + k * n) * itemsize
+    return max(2, min(MAX_INPUT_SETS, math.ceil(3 * L2_BYTES / set_bytes)))
+
+
+class JaxVariant:
+    def __init__(self, name, fn):
+        self.name = name
+        self.fn = jax.jit(fn)
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+
+            self._measure = profiler.measure(self.fn)
+            self.clock = "cupti"
+        except Exception:  # no CUPTI: fall back to wall clock around one blocked call
+            self._measure = None
+            self.clock = "wall"
+
+    def kernel_ms(self, a, b) -> float:
+        if self._measure is not None:
+            _, ms = self._measure(a, b)
+            if ms is not None:
+                return float(ms)
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.fn(a, b))
+        return (time.perf_counter() - t0) * 1e3
+
+    def dispatch(self, a, b):
+        return self.fn(a, b)
+
+    def sync(self, out):
+        jax.block_until_ready(out)
+
+
+class TorchVariant:
+    name = "torch.matmul"
+    clock = "cuda-events"
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def convert(self, sets):
+        return [(self.torch.from_dlpack(a), self.torch.from_dlpack(b)) for a, b in sets]
+
+    def kernel_ms(self, a, b) -> float:
+        torch = self.torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.matmul(a, b)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def dispatch(self, a, b):
+        return self.torch.matmul(a, b)
+
+    def sync(self, out):
+        self.torch.cuda.synchronize()
+
+
+def relative_error(c, a, b) -> float:
+    ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    diff = c.astype(jnp.float32) - ref
+    return float(jnp.linalg.norm(diff) / jnp.linalg.norm(ref))
+
+
+def sustained_ms(variant, sets, kernel_ms_estimate) -> float:
+    iters = int(min(2000, max(20, SUSTAINED_SECONDS * 1e3 / max(kernel_ms_estimate, 1e-3))))
+    out = None
+    for i in range(len(sets)):  # warm the dispatch path
+        out = variant.dispatch(*sets[i])
+    variant.sync(out)
+    t0 = time.perf_counter()
+    for i in range(iters):
+        out = variant.dispatch(*sets[i % len(sets)])
+    variant.sync(out)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def bench_shape(m, n, k, dtype_name, stages_list, use_torch, progress):
+    dtype = DTYPES[dtype_name]
+    n_sets = input_set_count(m, n, k, jnp.dtype(dtype).itemsize)
+    sets = make_inputs(m, n, k, dtype, n_sets)
+    variants = [JaxVariant(f"jax_hopper s={s}", functools.partial(gemm, stages=s)) for s in stages_list]
+    variants.append(JaxVariant("jnp.dot", jnp.dot))
+    variant_sets = {v.name: sets for v in variants}
+    torch = None
+    if use_torch:
+        try:
+            import torch as torch_module
+
+            if torch_module.cuda.is_available():
+                torch = TorchVariant(torch_module)
+                variants.append(torch)
+                variant_sets[torch.name] = torch.convert(sets)
+        except ImportError:
+            pass
+
+    errors = {}
+    for v in variants:
+        if isinstance(v, JaxVariant):
+            errors[v.name] = relative_error(v.fn(*sets[0]), *sets[0])
+
+    kernel = {v.name: [] for v in variants}
+    for v in variants:  # warm-up: compile, first launch, CUPTI init
+        v.kernel_ms(*variant_sets[v.name][0])
+    for i in range(KERNEL_SAMPLES):  # interleaved: one sample of each variant per round
+        for v in variants:
+            kernel[v.name].append(v.kernel_ms(*variant_sets[v.name][i % n_sets]))
+        progress()
+    kernel_med = {name: statistics.median(xs) for name, xs in kernel.items()}
+
+    sustained = {v.name: [] for v in variants}
+    for _ in range(SUSTAINED_ROUNDS):
+        for v in variants:
+            sustained[v.name].append(sustained_ms(v, variant_sets[v.name], kernel_med[v.name]))
+        progress()
+    sustained_med = {name: statistics.median(xs) for name, xs in sustained.items()}
+
+    flops = 2.0 * m * n * k
+    rows = []
+    for v in variants:
+        rows.append({
+            "m": m, "n": n, "k": k, "dtype": dtype_name, "variant": v.name, "clock": v.clock,
+            "kernel_ms": kernel_med[v.name], "kernel_tflops": flops / kernel_med[v.name] / 1e9,
+            "kernel_ratio_vs_jnp": kernel_med["jnp.dot"] / kernel_med[v.name],
+            "kernel_spread_ms": [min(kernel[v.name]), max(kernel[v.name])],
+            "sustained_ms": sustained_med[v.name], "sustained_tflops": flops / sustained_med[v.name] / 1e9,
+            "sustained_ratio_vs_jnp": sustained_med["jnp.dot"] / sustained_med[v.name],
+            "rel_error": errors.get(v.name), "input_sets": n_sets,
+        })
+    del sets, variant_sets
+    return rows
+
+
+def print_table(rows, file=sys.stdout):
+    head = (f"{'shape (MxNxK)':>22} {'dtype':>5} {'variant':>16} {'kernel ms':>10} {'TF/s':>6} {'ratio':>6}"
+            f" {'sust. TF/s':>10} {'ratio':>6} {'rel err':>9}")
+    print(head, file=file)
+    print("-" * len(head), file=file)
+    for r in rows:
+        err = f"{r['rel_error']:.2e}" if r["rel_error"] is not None else "-"
+        print(f"{r['m']:>6}x{r['n']:>6}x{r['k']:>6}   {r['dtype']:>5} {r['variant']:>16} {r['kernel_ms']:>10.4f}"
+              f" {r['kernel_tflops']:>6.0f} {r['kernel_ratio_vs_jnp']:>6.3f} {r['sustained_tflops']:>10.0f}"
+              f" {r['sustained_ratio_vs_jnp']:>6.3f} {err:>9}", file=file)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="8192,4096", help="comma-separated N (cube) or MxNxK")
+    p.add_argument("--dtype", default="f16", help="comma-separated: f16, bf16")
+    p.add_argument("--stages", default="4", help="comma-separated pipeline depths of our kernel to time")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch.matmul column")
+    p.add_argument("--json", help="write all rows to this JSON file")
+    args = p.parse_args(argv)
+
+    shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    dtypes = args.dtype.split(",")
+    stages = [int(s) for s in args.stages.split(",")]
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind}  jax {jax.__version__}  platform {dev.platform}", flush=True)
+    if dev.platform != "gpu":
+        print("warning: no GPU; these numbers time the fallback", flush=True)
+
+    rows = []
+    jobs = [(s, d) for s in shapes for d in dtypes]
+    for idx, ((m, n, k), d) in enumerate(jobs):
+        done = [0]
+
+        def progress():
+            done[0] += 1
+            print(f"\r[{idx + 1}/{len(jobs)}] {m}x{n}x{k} {d}: round {done[0]}", end="", file=sys.stderr, flush=True)
+
+        shape_rows = bench_shape(m, n, k, d, stages, not args.no_torch, progress)
+        print(file=sys.stderr)
+        print_table(shape_rows)
+        sys.stdout.flush()
+        rows.extend(shape_rows)
+
+    print("\nsummary")
+    print_table(rows)
+    if args.json:
+        meta = {"device": dev.device_kind, "jax": jax.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                "protocol": {"kernel_samples": KERNEL_SAMPLES, "sustained_rounds": SUSTAINED_ROUNDS}}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Build, GPU tests and benchmark in one go on a Hopper machine; logs go to $1
+# (default: $OUT, else ./device-out). Extra benchmark arguments come from BENCH_ARGS,
+# extra pytest arguments from PYTEST_ARGS. Exits non-zero if the build or a test fails.
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+LOG=${1:-${OUT:-$REPO/device-out}}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu \
+  --format=csv | tee "$LOG/gpu.txt"
+git -C "$REPO" rev-parse HEAD 2>/dev/null | tee "$LOG/commit.txt"
+
+start=$(date +%s)
+if ! (cd "$REPO" && python3 -m pip install --no-build-isolation --no-deps -v .) >"$LOG/build.log" 2>&1; then
+  tail -60 "$LOG/build.log"
+  exit 1
+fi
+echo "build: $(($(date +%s) - start)) s"
+grep -E "ptxas info *: Used|spill|C7517" "$LOG/build.log" | sort | uniq -c
+
+cd /tmp || exit 1  # import the installed package, not the source tree
+rc=0
+JAX_HOPPER_REQUIRE_GPU=1 timeout 900 python3 -m pytest "$REPO/tests" -q -ra ${PYTEST_ARGS:-} 2>&1 |
+  tee "$LOG/tests.log" | grep -v -E "^\.|PASSED" | tail -40
+[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  timeout 900 python3 -m jax_hopper.bench ${BENCH_ARGS:-} --json "$LOG/bench.json" 2>"$LOG/bench.err" |
+    tee "$LOG/bench.log"
+fi
+exit $rc

@@ -1,0 +1,40 @@
+"""Shared test helpers.
+
+GPU tests run only where a Hopper GPU is visible; elsewhere they skip with a reason.
+Set JAX_HOPPER_REQUIRE_GPU=1 (the device script does) to turn that skip into a failure,
+so a GPU run can never pass by skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import pytest
+
+# The tests check the installed package (with its compiled extension). `python -m pytest`
+# from the repository root would put the source tree, which has no extension, first on
+# sys.path; drop it before anything imports jax_hopper.
+_REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or os.curdir).resolve() != _REPO_ROOT]
+
+from helpers import hopper_devices
+
+REQUIRE_GPU = os.environ.get("JAX_HOPPER_REQUIRE_GPU") == "1"
+
+
+def _gpu_skip_reason():
+    if hopper_devices():
+        return None
+    return "needs a Hopper (sm_90) GPU visible to jax; none found"
+
+
+@pytest.fixture
+def hopper():
+    reason = _gpu_skip_reason()
+    if reason is not None:
+        if REQUIRE_GPU:
+            pytest.fail(f"JAX_HOPPER_REQUIRE_GPU=1 but {reason}")
+        pytest.skip(reason)
+    return hopper_devices()[0]

@@ -1,0 +1,105 @@
+"""CPU tests: what jax_hopper.matmul lowers to, the fallback's answers, input errors."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_hopper
+from helpers import seed_normal
+
+TARGET = "jax_hopper_gemm"
+KERNEL_DTYPES = [jnp.float16, jnp.bfloat16]
+
+
+def lower_text(fn, *args, platform):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("shape", [(256, 512, 128), (129, 257, 72), (1, 256, 64), (1000, 3000, 520), (7, 9, 11)])
+def test_cuda_lowering_is_our_custom_call(shape, dtype):
+    m, n, k = shape
+    a = jax.ShapeDtypeStruct((m, k), dtype)
+    b = jax.ShapeDtypeStruct((k, n), dtype)
+    text = lower_text(jax_hopper.matmul, a, b, platform="cuda")
+    calls = re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
+    assert calls == [TARGET], calls
+    assert "dot_general" not in text
+    # The result type of the call is the logical [M, N] output, whatever the padding.
+    out_type = f"tensor<{m}x{n}x{'f16' if dtype == jnp.float16 else 'bf16'}>"
+    assert re.search(rf"custom_call @{TARGET}\(.*-> {re.escape(out_type)}", text), text
+
+
+def test_rows_tma_cannot_describe_are_padded_to_16_bytes():
+    a = jax.ShapeDtypeStruct((100, 103), jnp.float16)  # K = 103: not a multiple of 8
+    b = jax.ShapeDtypeStruct((103, 101), jnp.float16)  # N = 101
+    text = lower_text(jax_hopper.matmul, a, b, platform="cuda")
+    assert re.search(rf"custom_call @{TARGET}\(.*tensor<100x104xf16>, tensor<104x104xf16>\) -> tensor<100x101xf16>",
+                     text), text
+
+
+def test_aligned_operands_are_passed_without_copies():
+    a = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
+    text = lower_text(jax_hopper.matmul, a, b, platform="cuda")
+    assert "stablehlo.pad" not in text and "stablehlo.transpose" not in text
+
+
+def test_cpu_lowering_is_xla_dot():
+    a = jax.ShapeDtypeStruct((64, 32), jnp.float16)
+    b = jax.ShapeDtypeStruct((32, 16), jnp.float16)
+    text = lower_text(jax_hopper.matmul, a, b, platform="cpu")
+    assert "custom_call" not in text and "dot_general" in text
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("shape", [(64, 48, 32), (129, 257, 72), (1, 5, 3)])
+def test_fallback_matches_jnp_dot(shape, dtype):
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks the CPU fallback")
+    m, n, k = shape
+    ka, kb = jax.random.split(jax.random.key(m * n + k))
+    a, b = seed_normal(ka, (m, k), dtype, k), seed_normal(kb, (k, n), dtype, k)
+    out = jax.jit(jax_hopper.matmul)(a, b)
+    assert out.dtype == dtype and out.shape == (m, n)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jnp.dot(a, b), np.float32))
+    # Eager (un-jitted) calls go through the same primitive.
+    np.testing.assert_array_equal(np.asarray(jax_hopper.matmul(a, b), np.float32), np.asarray(out, np.float32))
+
+
+@pytest.mark.parametrize("dtypes", [(jnp.float32, jnp.float32), (jnp.int32, jnp.int32), (jnp.float16, jnp.bfloat16),
+                                    (jnp.float16, jnp.float32)])
+def test_other_dtypes_compute_like_jnp_matmul(dtypes):
+    a = (jnp.arange(12).reshape(3, 4) % 5).astype(dtypes[0])
+    b = (jnp.arange(20).reshape(4, 5) % 3).astype(dtypes[1])
+    out = jax.jit(jax_hopper.matmul)(a, b)
+    ref = jnp.matmul(a, b)
+    assert out.dtype == ref.dtype
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    assert "custom_call" not in lower_text(jax_hopper.matmul, a, b, platform="cuda")
+
+
+@pytest.mark.parametrize(
+    "a_shape,b_shape,error,match",
+    [
+        ((4, 8), (9, 16), ValueError, r"\(4, 8\).*\(9, 16\)"),
+        ((8,), (8, 16), ValueError, r"2-D.*\(8,\)"),
+        ((), (8, 16), ValueError, r"2-D"),
+        ((2, 4, 8), (8, 16), ValueError, r"\(2, 4, 8\)"),
+    ],
+)
+def test_bad_shapes_raise_clear_errors(a_shape, b_shape, error, match):
+    a = jnp.ones(a_shape, jnp.float16)
+    b = jnp.ones(b_shape, jnp.float16)
+    with pytest.raises(error, match=match):
+        jax.jit(jax_hopper.matmul)(a, b)
+
+
+def test_non_arrays_raise_type_error():
+    with pytest.raises(TypeError, match="must be a jax or numpy array"):
+        jax_hopper.matmul([[1.0]], jnp.ones((1, 1), jnp.float16))

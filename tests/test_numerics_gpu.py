@@ -1,0 +1,107 @@
+"""GPU tests (Hopper only; skipped with a reason elsewhere): the kernel's answers.
+
+Each case draws fresh random inputs (the seed's normal / K^(1/4) data, never zeros),
+runs our kernel into a NaN-poisoned output buffer, and compares with an f32 reference
+computed from the same rounded inputs.
+
+Tolerance: both our kernel and jnp.dot (cuBLASLt) multiply the same 16-bit inputs
+exactly and accumulate in f32, so their errors are dominated by the final rounding to
+f16/bf16 (relative 2^-11 / 2^-8 per element) plus f32 summation-order noise far below
+that. Their relative errors must therefore be nearly equal; 1.5x jnp.dot's own error
+leaves room only for a different summation order, not for a wrong element or a lost
+K tile (which would show up as errors of order 1 / sqrt(K) or larger).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_hopper
+from helpers import f32_reference, relative_error, run_into_poison, seed_normal
+
+ERROR_FACTOR = 1.5
+SHAPES = [
+    (8192, 8192, 8192),
+    (4096, 4096, 4096),
+    (1000, 3000, 520),  # partial tiles in M and N, K not a multiple of 64
+    (129, 257, 72),  # one row / one column past a tile; K tail of 8
+    (1, 256, 64),  # M = 1
+    (1, 4096, 4096),
+    (3000, 1, 256),  # N = 1 (padded row of B)
+    (300, 200, 40),  # K < 64
+    (64, 64, 8),  # K = 8: a single wgmma's worth, mostly zero-filled tile
+    (100, 101, 103),  # rows TMA cannot describe: padded to 16 bytes
+    (8191, 8191, 8191),
+    (256, 512, 4096 + 64 * 3),  # many K tiles: the ring wraps many times, odd count
+]
+DTYPES = [jnp.float16, jnp.bfloat16]
+
+
+def _inputs(m, n, k, dtype, seed):
+    ka, kb = jax.random.split(jax.random.key(seed))
+    return seed_normal(ka, (m, k), dtype, k), seed_normal(kb, (k, n), dtype, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_f32_reference_like_jnp_dot(hopper, shape, dtype):
+    m, n, k = shape
+    a, b = _inputs(m, n, k, dtype, seed=hash((m, n, k)) % 2**31)
+    out, _ = run_into_poison(jax_hopper.matmul, (m, n), dtype, a, b)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert not bool(jnp.isnan(out).any()), "unwritten (still poisoned) or NaN elements"
+    ref = f32_reference(a, b)
+    err = relative_error(out, ref)
+    err_jnp = relative_error(jnp.dot(a, b), ref)
+    assert err <= ERROR_FACTOR * err_jnp, f"relative error {err:.3e} vs jnp.dot {err_jnp:.3e}"
+
+
+def test_output_is_written_into_the_poisoned_buffer(hopper):
+    # The poisoning above only proves something if the kernel writes the NaN buffer.
+    a, b = _inputs(256, 512, 128, jnp.float16, seed=1)
+    out, aliased = run_into_poison(jax_hopper.matmul, (256, 512), jnp.float16, a, b)
+    assert aliased, "XLA did not alias the donated NaN buffer to the output"
+    assert not bool(jnp.isnan(out).any())
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_every_compiled_depth_is_correct(hopper, stages):
+    from jax_hopper._primitive import gemm
+
+    m, n, k = 1000, 3000, 4160
+    a, b = _inputs(m, n, k, jnp.float16, seed=stages)
+    out, _ = run_into_poison(lambda x, y: gemm(x, y, stages=stages), (m, n), jnp.float16, a, b)
+    ref = f32_reference(a, b)
+    assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.dot(a, b), ref)
+
+
+def test_compiled_hlo_runs_our_kernel_not_cublas(hopper):
+    a, b = _inputs(512, 512, 512, jnp.float16, seed=2)
+    hlo = jax.jit(jax_hopper.matmul).lower(a, b).compile().as_text()
+    assert "jax_hopper_gemm" in hlo
+    assert "cublas" not in hlo
+
+
+def test_empty_sum_and_empty_output_match_jnp_dot(hopper):
+    a = jnp.ones((64, 0), jnp.float16)
+    b = jnp.ones((0, 128), jnp.float16)
+    out, _ = run_into_poison(jax_hopper.matmul, (64, 128), jnp.float16, a, b)
+    np.testing.assert_array_equal(np.asarray(out), np.zeros((64, 128), np.float16))
+    assert jax.jit(jax_hopper.matmul)(jnp.ones((0, 16), jnp.float16), jnp.ones((16, 32), jnp.float16)).shape == (0, 32)
+
+
+def test_repeated_calls_are_bitwise_identical(hopper):
+    a, b = _inputs(1000, 3000, 520, jnp.bfloat16, seed=3)
+    f = jax.jit(jax_hopper.matmul)
+    first = np.asarray(f(a, b).astype(jnp.float32))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(f(a, b).astype(jnp.float32)), first)
+
+
+def test_eager_call_runs_the_kernel(hopper):
+    a, b = _inputs(129, 257, 72, jnp.float16, seed=4)
+    ref = f32_reference(a, b)
+    assert relative_error(jax_hopper.matmul(a, b), ref) <= ERROR_FACTOR * relative_error(jnp.dot(a, b), ref)

@@ -1,0 +1,89 @@
+"""CPU test of the compiled kernel itself: its SASS must carry the V5 signature.
+
+Reads the extension that was installed, so it checks what users run. Needs cuobjdump
+and nvdisasm (PyPI: nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm; the test extra).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+import jax_hopper
+from jax_hopper import _ffi
+
+V5_SIGNATURE = [
+    "HGMMA.64x256x16.F32",  # wgmma m64n256k16, f32 accumulate
+    "UTMALDG",  # TMA loads
+    "SYNCS",  # mbarrier operations
+    "WARPGROUP.DEPBAR.LE gsb0, 0x1",  # wgmma.wait_group(1): one group kept in flight
+]
+
+
+def _tool(name):
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for cand in pathlib.Path(root).glob(f"*/bin/{name}"):
+                return str(cand)
+    except ImportError:
+        pass
+    return None
+
+
+@pytest.fixture(scope="module")
+def extension_path():
+    if not jax_hopper.kernel_available():
+        if shutil.which("nvcc"):
+            pytest.fail(f"nvcc is on PATH but the kernel is not built: {_ffi.missing_kernel_reason()}")
+        pytest.skip("the CUDA kernel is not built here (no nvcc at install time)")
+    return _ffi._jax_hopper.__file__
+
+
+def _need(name):
+    path = _tool(name)
+    if path is None:
+        pytest.skip(f"{name} not found (pip install nvidia-cuda-{name})")
+    return path
+
+
+def _kernels(sass: str) -> dict[str, str]:
+    """Splits a SASS dump into {mangled kernel name: body}."""
+    parts = re.split(r"\n\s*Function : (\S+)\n", sass)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def test_cuobjdump_sass_has_v5_signature(extension_path):
+    sass = subprocess.run([_need("cuobjdump"), "-sass", extension_path], check=True, capture_output=True,
+                          text=True).stdout
+    kernels = _kernels(sass)
+    gemm_kernels = {k: v for k, v in kernels.items() if "gemm_kernel" in k}
+    assert gemm_kernels, f"no gemm kernel in {extension_path}"
+    for name, body in gemm_kernels.items():
+        for needle in V5_SIGNATURE:
+            assert needle in body, f"{needle} missing from {name}"
+        # No local memory: the 128-register accumulator stays in registers.
+        assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
+
+
+def test_nvdisasm_sees_wgmma_in_the_cubins(extension_path):
+    cuobjdump, nvdisasm = _need("cuobjdump"), _need("nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([cuobjdump, "-xelf", "all", extension_path], check=True, capture_output=True, cwd=tmp)
+        cubins = sorted(pathlib.Path(tmp).glob("*.cubin"))
+        assert cubins, "no sm_90a cubin embedded"
+        for cubin in cubins:
+            assert "sm_90a" in cubin.name, cubin.name
+            text = subprocess.run([nvdisasm, "-c", os.fspath(cubin)], check=True, capture_output=True,
+                                  text=True).stdout
+            assert "HGMMA.64x256x16.F32" in text and "UTMALDG" in text
