@@ -1,9 +1,11 @@
 """The GEMM primitive: abstract evaluation and its lowerings.
 
-`gemm_p` computes C[M, N] = op(A) @ op(B) for 2-D f16/bf16 operands of one dtype, with
-A stored [M, K] (or [K, M] with transpose_a) and B stored [K, N] (or [N, K] with
-transpose_b). On CUDA it lowers to the `jax_hopper_gemm` FFI custom call; everywhere
-else to XLA's dot (see _fallback.py).
+`gemm_p` computes C = op(A) @ op(B) for f16/bf16 operands of one dtype, with A stored
+[M, K] (or [K, M] with transpose_a) and B stored [K, N] (or [N, K] with transpose_b),
+optionally with one leading batch dimension on both (rank 3). C is [(batch,) M, N] in
+`out_dtype`: the operands' type, or f32 straight from the f32 accumulator. On CUDA it
+lowers to the `jax_hopper_gemm` FFI custom call; everywhere else to XLA's dot (see
+_fallback.py). Autodiff and vmap rules live in _autodiff.py and _batching.py.
 """
 
 from __future__ import annotations
@@ -34,22 +36,25 @@ gemm_p = Primitive("jax_hopper_gemm")
 
 
 def _mnk(a_shape, b_shape, transpose_a, transpose_b):
-    m, k = (a_shape[1], a_shape[0]) if transpose_a else a_shape
-    k_b, n = (b_shape[1], b_shape[0]) if transpose_b else b_shape
+    m, k = (a_shape[-1], a_shape[-2]) if transpose_a else a_shape[-2:]
+    k_b, n = (b_shape[-1], b_shape[-2]) if transpose_b else b_shape[-2:]
     return m, n, k, k_b
 
 
-def _abstract_eval(a, b, *, transpose_a, transpose_b, stages):
+def _abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype, stages):
     del stages
-    if a.ndim != 2 or b.ndim != 2:
-        raise ValueError(f"jax_hopper_gemm takes 2-D operands, got {a.shape} and {b.shape}")
+    if a.ndim != b.ndim or a.ndim not in (2, 3) or a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"jax_hopper_gemm takes two 2-D operands or two 3-D operands with equal batch, "
+                         f"got {a.shape} and {b.shape}")
     if a.dtype != b.dtype or a.dtype not in KERNEL_DTYPES:
         raise TypeError(f"jax_hopper_gemm takes two f16 or two bf16 operands, got {a.dtype} and {b.dtype}")
+    if out_dtype not in (a.dtype, jnp.dtype(jnp.float32)):
+        raise TypeError(f"jax_hopper_gemm computes {a.dtype} or float32 results, not {out_dtype}")
     m, n, k, k_b = _mnk(a.shape, b.shape, transpose_a, transpose_b)
     if k != k_b:
         raise ValueError(f"jax_hopper_gemm: contracting sizes differ: {a.shape} and {b.shape} "
                          f"(transpose_a={transpose_a}, transpose_b={transpose_b})")
-    return ShapedArray((m, n), a.dtype)
+    return ShapedArray(a.shape[:-2] + (m, n), out_dtype)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -70,12 +75,13 @@ def _pad_for_tma(a, b, transpose_a, transpose_b):
     m, n, k, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
     k_major_a, k_major_b = not transpose_a, transpose_b
     k_pad = _round_up(k, TMA_ROW_MULTIPLE) if (k_major_a or k_major_b) else k
-    a = _pad_axis(a, 0 if transpose_a else 1, k_pad)
-    b = _pad_axis(b, 1 if transpose_b else 0, k_pad)
+    rows, cols = a.ndim - 2, a.ndim - 1
+    a = _pad_axis(a, rows if transpose_a else cols, k_pad)
+    b = _pad_axis(b, cols if transpose_b else rows, k_pad)
     if transpose_a:
-        a = _pad_axis(a, 1, _round_up(m, TMA_ROW_MULTIPLE))
+        a = _pad_axis(a, cols, _round_up(m, TMA_ROW_MULTIPLE))
     if not transpose_b:
-        b = _pad_axis(b, 1, _round_up(n, TMA_ROW_MULTIPLE))
+        b = _pad_axis(b, cols, _round_up(n, TMA_ROW_MULTIPLE))
     return a, b
 
 
@@ -88,31 +94,32 @@ def _local_gpus_are_hopper() -> bool:
     return all(str(getattr(d, "compute_capability", "9.0")).startswith("9") for d in devices)
 
 
-def _cuda_impl(a, b, *, transpose_a, transpose_b, stages):
+def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, stages):
     if not _ffi.register():
         _ffi.warn_no_kernel_once(_ffi.missing_kernel_reason())
-        return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+        return _default_impl(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype, stages=stages)
     if not _local_gpus_are_hopper():
         _ffi.warn_no_kernel_once("this CUDA GPU is not a Hopper (sm_90) GPU")
-        return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+        return _default_impl(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype, stages=stages)
     m, n, _, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
+    out_shape = a.shape[:-2] + (m, n)
     a, b = _pad_for_tma(a, b, transpose_a, transpose_b)
-    call = jax.ffi.ffi_call(_ffi.GEMM_TARGET, jax.ShapeDtypeStruct((m, n), a.dtype))
+    call = jax.ffi.ffi_call(_ffi.GEMM_TARGET, jax.ShapeDtypeStruct(out_shape, out_dtype))
     return call(a, b, transpose_a=np.int32(transpose_a), transpose_b=np.int32(transpose_b), stages=np.int32(stages))
 
 
-def _default_impl(a, b, *, transpose_a, transpose_b, stages):
+def _default_impl(a, b, *, transpose_a, transpose_b, out_dtype, stages):
     del stages
-    return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
 
 
 @functools.cache
-def _jitted_bind(transpose_a, transpose_b, stages):
-    return jax.jit(functools.partial(gemm_p.bind, transpose_a=transpose_a, transpose_b=transpose_b, stages=stages))
+def _jitted_bind(**params):
+    return jax.jit(functools.partial(gemm_p.bind, **params))
 
 
-def _eager_impl(a, b, *, transpose_a, transpose_b, stages):
-    return _jitted_bind(transpose_a, transpose_b, stages)(a, b)
+def _eager_impl(a, b, **params):
+    return _jitted_bind(**params)(a, b)
 
 
 gemm_p.def_impl(_eager_impl)
@@ -121,6 +128,9 @@ mlir.register_lowering(gemm_p, mlir.lower_fun(_default_impl, multiple_results=Fa
 mlir.register_lowering(gemm_p, mlir.lower_fun(_cuda_impl, multiple_results=False), platform="cuda")
 
 
-def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, stages: int = DEFAULT_STAGES):
+def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, out_dtype=None,
+         stages: int = DEFAULT_STAGES):
     """Binds the primitive (operands already validated by the public ops)."""
-    return gemm_p.bind(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b), stages=int(stages))
+    out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
+    return gemm_p.bind(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b), out_dtype=out_dtype,
+                       stages=int(stages))

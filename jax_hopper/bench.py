@@ -3,6 +3,7 @@
     python -m jax_hopper.bench                       # 8192^3 and 4096^3, f16
     python -m jax_hopper.bench --shapes 8192 --stages 2,3,4   # the seed's depth table
     python -m jax_hopper.bench --dtype bf16 --shapes 4096x14336x4096 --json out.json
+    python -m jax_hopper.bench --shapes 8192 --layouts nn,nt,tn --batched 8x2048x2048x2048
 
 Protocol (../shared/GUIDE.md section 5): the seed's data (standard normal scaled by
 K^-1/4, so C has unit variance); enough distinct input sets that they do not fit in L2,
@@ -46,20 +47,37 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return tuple(parts)
 
 
-def make_inputs(m, n, k, dtype, n_sets, seed=0):
+# Operand layouts: A stored [M, K] ("n") or [K, M] ("t"); B stored [K, N] ("n") or [N, K] ("t").
+LAYOUT_FLAGS = {"nn": (False, False), "nt": (False, True), "tn": (True, False), "tt": (True, True)}
+
+
+def stored_shapes(batch, m, n, k, layout):
+    ta, tb = LAYOUT_FLAGS[layout]
+    lead = (batch,) if batch else ()
+    return lead + ((k, m) if ta else (m, k)), lead + ((n, k) if tb else (k, n))
+
+
+def dimension_numbers(batch, layout):
+    ta, tb = LAYOUT_FLAGS[layout]
+    nb = 1 if batch else 0
+    contract = ((nb + (0 if ta else 1),), (nb + (1 if tb else 0),))
+    return contract, ((0,), (0,)) if batch else ((), ())
+
+
+def make_inputs(a_shape, b_shape, k, dtype, n_sets, seed=0):
     scale = 1.0 / k**0.25  # the seed benchmark's data: C ~ unit variance
     sets = []
     for i in range(n_sets):
         ka, kb = jax.random.split(jax.random.key(seed + i))
-        a = (jax.random.normal(ka, (m, k), jnp.float32) * scale).astype(dtype)
-        b = (jax.random.normal(kb, (k, n), jnp.float32) * scale).astype(dtype)
+        a = (jax.random.normal(ka, a_shape, jnp.float32) * scale).astype(dtype)
+        b = (jax.random.normal(kb, b_shape, jnp.float32) * scale).astype(dtype)
         sets.append((a, b))
     jax.block_until_ready(sets)
     return sets
 
 
-def input_set_count(m, n, k, itemsize) -> int:
-    set_bytes = (m * k + k * n) * itemsize
+def input_set_count(a_shape, b_shape, itemsize) -> int:
+    set_bytes = (math.prod(a_shape) + math.prod(b_shape)) * itemsize
     return max(2, min(MAX_INPUT_SETS, math.ceil(3 * L2_BYTES / set_bytes)))
 
 
@@ -78,9 +96,13 @@ class JaxVariant:
 
     def kernel_ms(self, a, b) -> float:
         if self._measure is not None:
-            _, ms = self._measure(a, b)
-            if ms is not None:
-                return float(ms)
+            try:
+                _, ms = self._measure(a, b)
+            except RuntimeError:  # CUPTI unavailable here (e.g. the CPU fallback)
+                self._measure, self.clock = None, "wall"
+            else:
+                if ms is not None:
+                    return float(ms)
         t0 = time.perf_counter()
         jax.block_until_ready(self.fn(a, b))
         return (time.perf_counter() - t0) * 1e3
@@ -93,23 +115,37 @@ class JaxVariant:
 
 
 class TorchVariant:
+    """torch.matmul (cuBLAS directly) on the same device buffers, shared through dlpack.
+
+    Its kernel time is read with CUDA events around TORCH_BURST back-to-back calls,
+    divided by TORCH_BURST: one call between two events on an idle GPU also times the
+    launch latency.
+    """
+
     name = "torch.matmul"
     clock = "cuda-events"
+    TORCH_BURST = 10
 
-    def __init__(self, torch):
+    def __init__(self, torch, transpose_a, transpose_b):
         self.torch = torch
+        self.ta, self.tb = transpose_a, transpose_b
 
     def convert(self, sets):
-        return [(self.torch.from_dlpack(a), self.torch.from_dlpack(b)) for a, b in sets]
+        def view(x, t):  # a transposed view: cuBLAS reads it in place
+            x = self.torch.from_dlpack(x)
+            return x.transpose(-1, -2) if t else x
+
+        return [(view(a, self.ta), view(b, self.tb)) for a, b in sets]
 
     def kernel_ms(self, a, b) -> float:
         torch = self.torch
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        torch.matmul(a, b)
+        for _ in range(self.TORCH_BURST):
+            torch.matmul(a, b)
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end) / self.TORCH_BURST
 
     def dispatch(self, a, b):
         return self.torch.matmul(a, b)
@@ -118,8 +154,9 @@ class TorchVariant:
         self.torch.cuda.synchronize()
 
 
-def relative_error(c, a, b) -> float:
-    ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+def relative_error(c, a, b, dims) -> float:
+    ref = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
+                              precision=jax.lax.Precision.HIGHEST)
     diff = c.astype(jnp.float32) - ref
     return float(jnp.linalg.norm(diff) / jnp.linalg.norm(ref))
 
@@ -137,12 +174,17 @@ def sustained_ms(variant, sets, kernel_ms_estimate) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def bench_shape(m, n, k, dtype_name, stages_list, use_torch, progress):
+def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progress):
     dtype = DTYPES[dtype_name]
-    n_sets = input_set_count(m, n, k, jnp.dtype(dtype).itemsize)
-    sets = make_inputs(m, n, k, dtype, n_sets)
-    variants = [JaxVariant(f"jax_hopper s={s}", functools.partial(gemm, stages=s)) for s in stages_list]
-    variants.append(JaxVariant("jnp.dot", jnp.dot))
+    a_shape, b_shape = stored_shapes(batch, m, n, k, layout)
+    n_sets = input_set_count(a_shape, b_shape, jnp.dtype(dtype).itemsize)
+    sets = make_inputs(a_shape, b_shape, k, dtype, n_sets)
+    ta, tb = LAYOUT_FLAGS[layout]
+    dims = dimension_numbers(batch, layout)
+    variants = [JaxVariant(f"jax_hopper s={s}", functools.partial(gemm, transpose_a=ta, transpose_b=tb, stages=s))
+                for s in stages_list]
+    # The baseline: what jnp.dot / lax.dot_general lowers to (cuBLASLt on the H200).
+    variants.append(JaxVariant("jnp.dot", functools.partial(jax.lax.dot_general, dimension_numbers=dims)))
     variant_sets = {v.name: sets for v in variants}
     torch = None
     if use_torch:
@@ -150,7 +192,7 @@ def bench_shape(m, n, k, dtype_name, stages_list, use_torch, progress):
             import torch as torch_module
 
             if torch_module.cuda.is_available():
-                torch = TorchVariant(torch_module)
+                torch = TorchVariant(torch_module, ta, tb)
                 variants.append(torch)
                 variant_sets[torch.name] = torch.convert(sets)
         except ImportError:
@@ -159,7 +201,7 @@ def bench_shape(m, n, k, dtype_name, stages_list, use_torch, progress):
     errors = {}
     for v in variants:
         if isinstance(v, JaxVariant):
-            errors[v.name] = relative_error(v.fn(*sets[0]), *sets[0])
+            errors[v.name] = relative_error(v.fn(*sets[0]), *sets[0], dims)
 
     kernel = {v.name: [] for v in variants}
     for v in variants:  # warm-up: compile, first launch, CUPTI init
@@ -177,11 +219,12 @@ def bench_shape(m, n, k, dtype_name, stages_list, use_torch, progress):
         progress()
     sustained_med = {name: statistics.median(xs) for name, xs in sustained.items()}
 
-    flops = 2.0 * m * n * k
+    flops = 2.0 * max(batch, 1) * m * n * k
     rows = []
     for v in variants:
         rows.append({
-            "m": m, "n": n, "k": k, "dtype": dtype_name, "variant": v.name, "clock": v.clock,
+            "batch": batch, "m": m, "n": n, "k": k, "layout": layout, "dtype": dtype_name, "variant": v.name,
+            "clock": v.clock,
             "kernel_ms": kernel_med[v.name], "kernel_tflops": flops / kernel_med[v.name] / 1e9,
             "kernel_ratio_vs_jnp": kernel_med["jnp.dot"] / kernel_med[v.name],
             "kernel_spread_ms": [min(kernel[v.name]), max(kernel[v.name])],
@@ -193,14 +236,19 @@ def bench_shape(m, n, k, dtype_name, stages_list, use_torch, progress):
     return rows
 
 
+def case_label(r) -> str:
+    shape = f"{r['m']}x{r['n']}x{r['k']}"
+    return (f"{r['batch']}x" if r["batch"] else "") + shape + f" {r['layout'].upper()}"
+
+
 def print_table(rows, file=sys.stdout):
-    head = (f"{'shape (MxNxK)':>22} {'dtype':>5} {'variant':>16} {'kernel ms':>10} {'TF/s':>6} {'ratio':>6}"
+    head = (f"{'case (BxMxNxK layout)':>26} {'dtype':>5} {'variant':>16} {'kernel ms':>10} {'TF/s':>6} {'ratio':>6}"
             f" {'sust. TF/s':>10} {'ratio':>6} {'rel err':>9}")
     print(head, file=file)
     print("-" * len(head), file=file)
     for r in rows:
         err = f"{r['rel_error']:.2e}" if r["rel_error"] is not None else "-"
-        print(f"{r['m']:>6}x{r['n']:>6}x{r['k']:>6}   {r['dtype']:>5} {r['variant']:>16} {r['kernel_ms']:>10.4f}"
+        print(f"{case_label(r):>26} {r['dtype']:>5} {r['variant']:>16} {r['kernel_ms']:>10.4f}"
               f" {r['kernel_tflops']:>6.0f} {r['kernel_ratio_vs_jnp']:>6.3f} {r['sustained_tflops']:>10.0f}"
               f" {r['sustained_ratio_vs_jnp']:>6.3f} {err:>9}", file=file)
 
@@ -209,12 +257,19 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="8192,4096", help="comma-separated N (cube) or MxNxK")
     p.add_argument("--dtype", default="f16", help="comma-separated: f16, bf16")
+    p.add_argument("--layouts", default="nn", help="comma-separated operand layouts: nn (jnp.dot's), nt, tn, tt")
+    p.add_argument("--batched", default="", help="comma-separated BxMxNxK batched products (NN layout)")
     p.add_argument("--stages", default="4", help="comma-separated pipeline depths of our kernel to time")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.matmul column")
     p.add_argument("--json", help="write all rows to this JSON file")
     args = p.parse_args(argv)
 
-    shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
+    layouts = args.layouts.split(",")
+    cases = [(0, *s, lay) for s in shapes for lay in layouts]
+    for text in filter(None, args.batched.split(",")):
+        b, m, n, k = (int(x) for x in text.lower().split("x"))
+        cases.append((b, m, n, k, "nn"))
     dtypes = args.dtype.split(",")
     stages = [int(s) for s in args.stages.split(",")]
     dev = jax.devices()[0]
@@ -223,15 +278,16 @@ def main(argv=None):
         print("warning: no GPU; these numbers time the fallback", flush=True)
 
     rows = []
-    jobs = [(s, d) for s in shapes for d in dtypes]
-    for idx, ((m, n, k), d) in enumerate(jobs):
+    jobs = [(c, d) for c in cases for d in dtypes]
+    for idx, ((batch, m, n, k, layout), d) in enumerate(jobs):
         done = [0]
 
         def progress():
             done[0] += 1
-            print(f"\r[{idx + 1}/{len(jobs)}] {m}x{n}x{k} {d}: round {done[0]}", end="", file=sys.stderr, flush=True)
+            print(f"\r[{idx + 1}/{len(jobs)}] {batch}x{m}x{n}x{k} {layout} {d}: round {done[0]}", end="",
+                  file=sys.stderr, flush=True)
 
-        shape_rows = bench_shape(m, n, k, d, stages, not args.no_torch, progress)
+        shape_rows = bench_case(batch, m, n, k, layout, d, stages, not args.no_torch, progress)
         print(file=sys.stderr)
         print_table(shape_rows)
         sys.stdout.flush()

@@ -1,37 +1,134 @@
-"""Public operations. They validate at trace time and bind the GEMM primitive for the
-operand types the kernel computes (two f16 or two bf16 arrays); anything else goes to
-jnp with identical semantics."""
+"""Public operations with lax.dot_general / jnp.dot / jnp.matmul semantics.
+
+Every call is first checked by jax itself (`jax.eval_shape` of the jax function it
+replaces), so bad inputs raise jax's own errors and the result shape and dtype are by
+definition jax's. Then:
+  - two f16 or two bf16 operands (after jnp's type promotion), an f16/bf16 or f32
+    result, and no out_sharding: the GEMM primitive (our kernel on Hopper, XLA's dot
+    elsewhere);
+  - anything else: the jax function itself, unchanged.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from jax_hopper import _autodiff, _batching  # noqa: F401  (register the primitive's rules)
+from jax_hopper._dimension_numbers import plan_dot_general
 from jax_hopper._primitive import KERNEL_DTYPES, gemm
 
-
-def _check_array(name: str, x) -> None:
-    if not isinstance(x, (jax.Array, np.ndarray)):
-        raise TypeError(f"jax_hopper.matmul: {name} must be a jax or numpy array, got {type(x).__name__}")
+F32 = jnp.dtype(jnp.float32)
 
 
-def matmul(a, b):
-    """C = A @ B for 2-D A [M, K] and B [K, N], like ``jnp.matmul(a, b)``.
+def _struct(x):
+    """Abstract stand-in for jax.eval_shape; non-arrays are left for jax to judge."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
 
-    For two f16 or two bf16 operands this runs the Hopper kernel on CUDA (f32
-    accumulation, output rounded to the input type) and XLA's dot elsewhere; other dtypes
-    are computed by ``jnp.matmul`` itself.
+
+def _describe(x) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+    return type(x).__name__
+
+
+def _check(name, fn, lhs, rhs):
+    """jax's own validation and result type for fn(lhs, rhs), with both operands named."""
+    try:
+        return jax.eval_shape(fn, _struct(lhs), _struct(rhs))
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"jax_hopper.{name}({_describe(lhs)}, {_describe(rhs)}): {err}") from None
+
+
+def _plain_precision(precision) -> bool:
+    """Precision levels are all met by the kernel (exact 16-bit products, f32 sums);
+    an explicit DotAlgorithm is honoured by leaving the call to XLA."""
+    if precision is None or isinstance(precision, (str, lax.Precision)):
+        return True
+    return isinstance(precision, tuple) and all(isinstance(p, (str, lax.Precision)) for p in precision)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _kernel_eligible(lhs, rhs, out_dtype, precision) -> bool:
+    if not (_is_array(lhs) and _is_array(rhs)):
+        return False
+    same_kernel_type = lhs.dtype == rhs.dtype and lhs.dtype in KERNEL_DTYPES
+    return same_kernel_type and out_dtype in (lhs.dtype, F32) and _plain_precision(precision)
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None):
+    """``lax.dot_general`` on the Hopper kernel; same signature and semantics."""
+    fn = functools.partial(lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
+                           preferred_element_type=preferred_element_type)
+    if out_sharding is not None:
+        return fn(lhs, rhs, out_sharding=out_sharding)
+    out = _check("dot_general", fn, lhs, rhs)
+    if not _kernel_eligible(lhs, rhs, out.dtype, precision):
+        return fn(lhs, rhs)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    plan = plan_dot_general(lhs.shape, rhs.shape, dimension_numbers)
+    a = lhs if plan.lhs_perm is None else jnp.transpose(lhs, plan.lhs_perm)
+    b = rhs if plan.rhs_perm is None else jnp.transpose(rhs, plan.rhs_perm)
+    c = gemm(a.reshape(plan.lhs_shape), b.reshape(plan.rhs_shape), transpose_a=plan.transpose_a,
+             transpose_b=plan.transpose_b, out_dtype=out.dtype)
+    return c.reshape(plan.out_shape)
+
+
+def _promote(a, b):
+    dtype = jnp.promote_types(jnp.result_type(a), jnp.result_type(b))
+    return jnp.asarray(a, dtype), jnp.asarray(b, dtype)
+
+
+def dot(a, b, *, precision=None, preferred_element_type=None, out_sharding=None):
+    """``jnp.dot`` on the Hopper kernel (N-D ``x @ W`` included); same semantics."""
+    fn = functools.partial(jnp.dot, precision=precision, preferred_element_type=preferred_element_type)
+    if out_sharding is not None:
+        return fn(a, b, out_sharding=out_sharding)
+    _check("dot", fn, a, b)
+    if np.ndim(a) == 0 or np.ndim(b) == 0:
+        return fn(a, b)  # scalar products are elementwise
+    a, b = _promote(a, b)
+    contract = ((a.ndim - 1,), (max(b.ndim - 2, 0),))
+    return dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=preferred_element_type)
+
+
+def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=None):
+    """``jnp.matmul`` on the Hopper kernel (batch broadcasting included); same semantics.
+
+    2-D operands: C = A @ B. Leading dims of `a` against a 2-D `b` fold into M (one
+    plain GEMM); batched `b` makes one batched launch over the broadcast batch.
     """
-    _check_array("a", a)
-    _check_array("b", b)
-    if a.ndim != 2 or b.ndim != 2:
-        raise ValueError(f"jax_hopper.matmul takes 2-D operands, got shapes {a.shape} and {b.shape}")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(
-            f"jax_hopper.matmul: contracting dimensions differ: a{a.shape} @ b{b.shape} needs "
-            f"a.shape[1] == b.shape[0]"
-        )
-    if a.dtype == b.dtype and a.dtype in KERNEL_DTYPES:
-        return gemm(a, b)
-    return jnp.matmul(a, b)
+    fn = functools.partial(jnp.matmul, precision=precision, preferred_element_type=preferred_element_type)
+    if out_sharding is not None:
+        return fn(a, b, out_sharding=out_sharding)
+    if not (_is_array(a) and _is_array(b)):
+        raise TypeError(f"jax_hopper.matmul: operands must be jax or numpy arrays, got "
+                        f"{type(a).__name__} and {type(b).__name__}")
+    _check("matmul", fn, a, b)
+    a, b = _promote(a, b)
+    kw = dict(precision=precision, preferred_element_type=preferred_element_type)
+    a_vec, b_vec = a.ndim == 1, b.ndim == 1
+    a2 = a[None, :] if a_vec else a
+    b2 = b[:, None] if b_vec else b
+    if b2.ndim == 2:
+        out = dot_general(a2, b2, (((a2.ndim - 1,), (0,)), ((), ())), **kw)
+    else:
+        batch = jnp.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
+        a2 = jnp.broadcast_to(a2, batch + a2.shape[-2:])
+        b2 = jnp.broadcast_to(b2, batch + b2.shape[-2:])
+        nb = len(batch)
+        out = dot_general(a2, b2, (((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb)))), **kw)
+    if a_vec:
+        out = jnp.squeeze(out, axis=-2)
+    if b_vec:
+        out = jnp.squeeze(out, axis=-1)
+    return out

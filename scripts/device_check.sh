@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu \
   --format=csv | tee "$LOG/gpu.txt"
-git -C "$REPO" rev-parse HEAD 2>/dev/null | tee "$LOG/commit.txt"
+echo "commit: ${COMMIT:-unknown (set COMMIT)}" | tee "$LOG/commit.txt"
 
 start=$(date +%s)
 if ! (cd "$REPO" && python3 -m pip install --no-build-isolation --no-deps -v .) >"$LOG/build.log" 2>&1; then

@@ -85,21 +85,20 @@ def test_other_dtypes_compute_like_jnp_matmul(dtypes):
 
 
 @pytest.mark.parametrize(
-    "a_shape,b_shape,error,match",
+    "a_shape,b_shape,match",
     [
-        ((4, 8), (9, 16), ValueError, r"\(4, 8\).*\(9, 16\)"),
-        ((8,), (8, 16), ValueError, r"2-D.*\(8,\)"),
-        ((), (8, 16), ValueError, r"2-D"),
-        ((2, 4, 8), (8, 16), ValueError, r"\(2, 4, 8\)"),
+        ((4, 8), (9, 16), r"float16\[4, 8\], float16\[9, 16\]"),
+        ((), (8, 16), r"float16\[\], float16\[8, 16\]"),
+        ((3, 4, 8), (2, 8, 16), r"float16\[3, 4, 8\], float16\[2, 8, 16\]"),
     ],
 )
-def test_bad_shapes_raise_clear_errors(a_shape, b_shape, error, match):
+def test_bad_shapes_raise_errors_naming_both_operands(a_shape, b_shape, match):
     a = jnp.ones(a_shape, jnp.float16)
     b = jnp.ones(b_shape, jnp.float16)
-    with pytest.raises(error, match=match):
+    with pytest.raises((TypeError, ValueError), match=match):
         jax.jit(jax_hopper.matmul)(a, b)
 
 
 def test_non_arrays_raise_type_error():
-    with pytest.raises(TypeError, match="must be a jax or numpy array"):
+    with pytest.raises(TypeError, match="must be jax or numpy arrays"):
         jax_hopper.matmul([[1.0]], jnp.ones((1, 1), jnp.float16))

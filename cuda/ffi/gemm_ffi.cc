@@ -32,40 +32,51 @@ ffi::Error to_ffi(const Status& st) {
 
 // The custom call's contract (the Python lowering guarantees it; everything is
 // re-checked here so a malformed call is rejected instead of read out of bounds):
+//  all of rank 2, or all of rank 3 with the same leading batch size; per batch entry
 //  c is [M, N]; a is [M, K] (or [K, ldA >= M] with transpose_a); b is [K, ldB >= N] (or
 //  [N, K] with transpose_b). A stored row may be longer than its logical extent: the
-//  Python side pads rows to the 16-byte multiple TMA needs and those columns are not read.
+//  Python side pads rows to the 16-byte multiple TMA needs and those columns are not
+//  read. c is a's type, or f32.
 ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> c,
                     int32_t transpose_a, int32_t transpose_b, int32_t stages) {
   const auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
-  if (da.size() != 2 || db.size() != 2 || dc.size() != 2)
-    return ffi::Error::InvalidArgument("jax_hopper_gemm: operands must be rank 2, got a" + shape_str(da) + " b" +
-                                       shape_str(db) + " c" + shape_str(dc));
+  const size_t rank = dc.size();
+  const auto shapes = [&] {
+    return " (a" + shape_str(da) + ", b" + shape_str(db) + ", c" + shape_str(dc) + ", transpose_a=" +
+           std::to_string(transpose_a) + ", transpose_b=" + std::to_string(transpose_b) + ")";
+  };
+  if ((rank != 2 && rank != 3) || da.size() != rank || db.size() != rank)
+    return ffi::Error::InvalidArgument("jax_hopper_gemm: operands must all be rank 2 or all rank 3" + shapes());
   const auto type = a.element_type();
-  if (b.element_type() != type || c->element_type() != type ||
-      (type != ffi::DataType::F16 && type != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("jax_hopper_gemm: a, b and c must all be f16 or all bf16");
+  if (b.element_type() != type || (type != ffi::DataType::F16 && type != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("jax_hopper_gemm: a and b must both be f16 or both bf16");
+  if (c->element_type() != type && c->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("jax_hopper_gemm: c must have a's type or be f32");
 
+  const size_t r = rank - 2;  // index of the row dimension of each matrix
   GemmArgs args;
   args.dtype = type == ffi::DataType::F16 ? ElementType::kF16 : ElementType::kBF16;
+  args.c_f32 = c->element_type() == ffi::DataType::F32;
   args.major_a = transpose_a ? Major::kMN : Major::kK;
   args.major_b = transpose_b ? Major::kK : Major::kMN;
-  args.m = dc[0];
-  args.n = dc[1];
-  args.ldc = dc[1];
-  // Stored shapes: the contiguous (second) dim is the row length; the other names M/N/K.
-  const int64_t a_outer = da[0], b_outer = db[0];
-  args.lda = da[1];
-  args.ldb = db[1];
-  args.k = transpose_a ? a_outer : da[1];
-  const int64_t k_b = transpose_b ? db[1] : b_outer;
-  const bool a_rows_ok = transpose_a ? true : a_outer == args.m;
-  const bool b_rows_ok = transpose_b ? b_outer == args.n : true;
+  args.batch = rank == 3 ? dc[0] : 1;
+  if (rank == 3 && (da[0] != args.batch || db[0] != args.batch))
+    return ffi::Error::InvalidArgument("jax_hopper_gemm: batch sizes differ" + shapes());
+  args.m = dc[r];
+  args.n = dc[r + 1];
+  args.ldc = args.n;
+  // Stored shapes: the contiguous (last) dim is the row length; the other names M/N/K.
+  args.lda = da[r + 1];
+  args.ldb = db[r + 1];
+  args.k = transpose_a ? da[r] : da[r + 1];
+  const int64_t k_b = transpose_b ? db[r + 1] : db[r];
+  const bool a_rows_ok = transpose_a || da[r] == args.m;
+  const bool b_rows_ok = !transpose_b || db[r] == args.n;
   if (k_b != args.k || !a_rows_ok || !b_rows_ok)
-    return ffi::Error::InvalidArgument("jax_hopper_gemm: inconsistent shapes a" + shape_str(da) + " b" +
-                                       shape_str(db) + " c" + shape_str(dc) + " (transpose_a=" +
-                                       std::to_string(transpose_a) + ", transpose_b=" + std::to_string(transpose_b) +
-                                       ")");
+    return ffi::Error::InvalidArgument("jax_hopper_gemm: inconsistent shapes" + shapes());
+  args.batch_stride_a = da[r] * da[r + 1];
+  args.batch_stride_b = db[r] * db[r + 1];
+  args.batch_stride_c = args.m * args.n;
   args.a = a.untyped_data();
   args.b = b.untyped_data();
   args.c = c->untyped_data();

@@ -35,16 +35,22 @@ constexpr int64_t kTmaStrideAlignElems = 8;  // 16-byte global strides for 16-bi
 constexpr uintptr_t kTmaBaseAlignBytes = 16;
 constexpr int kHopperMajor = 9;
 
-Status check_operand(const char* name, const void* ptr, int64_t ld, int64_t contiguous_extent) {
-  if (ptr == nullptr) return Status::Invalid(std::string(name) + " is a null pointer");
+// `rows` x `ld` is one stored matrix; `contiguous_extent` the logical length of a row.
+Status check_operand(const char* name, const void* ptr, int64_t rows, int64_t ld, int64_t contiguous_extent,
+                     int64_t batch, int64_t batch_stride) {
+  const std::string n(name);
+  if (ptr == nullptr) return Status::Invalid(n + " is a null pointer");
   if (reinterpret_cast<uintptr_t>(ptr) % kTmaBaseAlignBytes != 0)
-    return Status::Invalid(std::string(name) + " is not 16-byte aligned, which TMA requires");
+    return Status::Invalid(n + " is not 16-byte aligned, which TMA requires");
   if (ld < contiguous_extent)
-    return Status::Invalid(std::string(name) + " row length " + std::to_string(ld) + " is shorter than its extent " +
+    return Status::Invalid(n + " row length " + std::to_string(ld) + " is shorter than its extent " +
                            std::to_string(contiguous_extent));
   if (ld % kTmaStrideAlignElems != 0)
-    return Status::Invalid(std::string(name) + " row length " + std::to_string(ld) +
+    return Status::Invalid(n + " row length " + std::to_string(ld) +
                            " is not a multiple of 8 elements (16 bytes), which TMA requires; pad it");
+  if (batch > 1 && (batch_stride < rows * ld || batch_stride % kTmaStrideAlignElems != 0))
+    return Status::Invalid(n + " batch stride " + std::to_string(batch_stride) +
+                           " overlaps its matrices or is not a multiple of 8 elements");
   return Status::Ok();
 }
 
@@ -63,25 +69,30 @@ Status check_device() {
 }  // namespace
 
 Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t stream) {
-  if (args.m < 0 || args.n < 0 || args.k < 0) return Status::Invalid("negative problem size");
+  if (args.batch < 0 || args.m < 0 || args.n < 0 || args.k < 0) return Status::Invalid("negative problem size");
   constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();  // TMA coordinates are int32
-  if (args.m > kMaxDim || args.n > kMaxDim || args.k > kMaxDim)
-    return Status::Invalid("M, N and K must each be below 2^31");
-  if (args.m == 0 || args.n == 0) return Status::Ok();
+  if (args.batch > kMaxDim || args.m > kMaxDim || args.n > kMaxDim || args.k > kMaxDim)
+    return Status::Invalid("batch, M, N and K must each be below 2^31");
+  if (args.batch == 0 || args.m == 0 || args.n == 0) return Status::Ok();
   if (args.c == nullptr) return Status::Invalid("C is a null pointer");
   if (args.ldc < args.n) return Status::Invalid("C row length is shorter than N");
-  constexpr size_t kElementBytes = 2;
-  if (args.k == 0) {  // empty sum: C = 0
-    const cudaError_t err = cudaMemset2DAsync(args.c, args.ldc * kElementBytes, 0, args.n * kElementBytes,
-                                              args.m, stream);
-    if (err != cudaSuccess) return Status::Internal(std::string("cudaMemset2DAsync: ") + cudaGetErrorString(err));
+  if (args.batch > 1 && args.batch_stride_c < args.m * args.ldc) return Status::Invalid("C batch entries overlap");
+  const size_t c_bytes = args.c_f32 ? sizeof(float) : 2;
+  if (args.k == 0) {  // empty sums: C = 0
+    for (int64_t b = 0; b < args.batch; ++b) {
+      char* c = static_cast<char*>(args.c) + b * args.batch_stride_c * c_bytes;
+      const cudaError_t err = cudaMemset2DAsync(c, args.ldc * c_bytes, 0, args.n * c_bytes, args.m, stream);
+      if (err != cudaSuccess) return Status::Internal(std::string("cudaMemset2DAsync: ") + cudaGetErrorString(err));
+    }
     return Status::Ok();
   }
   const bool a_k_major = args.major_a == Major::kK;
   const bool b_k_major = args.major_b == Major::kK;
-  Status st = check_operand("A", args.a, args.lda, a_k_major ? args.k : args.m);
+  Status st = check_operand("A", args.a, a_k_major ? args.m : args.k, args.lda, a_k_major ? args.k : args.m,
+                            args.batch, args.batch_stride_a);
   if (!st.ok()) return st;
-  st = check_operand("B", args.b, args.ldb, b_k_major ? args.k : args.n);
+  st = check_operand("B", args.b, b_k_major ? args.n : args.k, args.ldb, b_k_major ? args.k : args.n, args.batch,
+                     args.batch_stride_b);
   if (!st.ok()) return st;
   st = check_device();
   if (!st.ok()) return st;

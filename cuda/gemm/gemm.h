@@ -17,13 +17,16 @@ enum class Major { kK, kMN };
 struct GemmArgs {
   const void* a = nullptr;
   const void* b = nullptr;
-  void* c = nullptr;  // row-major M x N, row length ldc
+  void* c = nullptr;  // row-major M x N, row length ldc, of type c_dtype
+  int64_t batch = 1;  // independent products, each operand's matrices batch_stride_* apart
   int64_t m = 0, n = 0, k = 0;
   // Stored row lengths in elements: A is [M][lda] when K-major, [K][lda] when M-major;
   // B is [N][ldb] when K-major, [K][ldb] when N-major. TMA needs them to be multiples
   // of 8 (16 bytes); the logical extent may be smaller (padding columns are never read).
   int64_t lda = 0, ldb = 0, ldc = 0;
-  ElementType dtype = ElementType::kF16;
+  int64_t batch_stride_a = 0, batch_stride_b = 0, batch_stride_c = 0;  // in elements
+  ElementType dtype = ElementType::kF16;  // of A and B
+  bool c_f32 = false;                     // C in f32 (straight from the accumulator), else in dtype
   Major major_a = Major::kK;
   Major major_b = Major::kMN;
 };

@@ -17,7 +17,7 @@ namespace jax_hopper {
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                const OutputParams<typename Cfg::Element> out, const int k_tiles,
+                const OutputParams out, const int k_tiles,
                 const SwizzledTileScheduler<Cfg::kRasterSwizzle> scheduler) {
   extern __shared__ uint8_t smem_raw[];
   const uintptr_t base = reinterpret_cast<uintptr_t>(smem_raw);
@@ -38,7 +38,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   } else {
     float acc[Cfg::kAccumulators];
     Mainloop<Cfg>::mma(pipe, smem, warpgroup, k_tiles, acc);
-    DirectStoreEpilogue<Cfg>::store(acc, out, tile.m_block * Cfg::kBlockM + warpgroup * Cfg::kWarpgroupM,
+    DirectStoreEpilogue<Cfg>::store(acc, out, tile.batch,
+                                    tile.m_block * Cfg::kBlockM + warpgroup * Cfg::kWarpgroupM,
                                     tile.n_block * Cfg::kBlockN);
   }
 }

@@ -29,27 +29,32 @@ inline Status cuda_status(cudaError_t err, const char* what) {
 }
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t kMaxGridX = (int64_t{1} << 31) - 1;
 
 // Tensor map of one operand: `mn` is its M (or N) extent, `ld` its stored row length.
 template <class Layout>
-Status encode_operand(CUtensorMap* map, const void* ptr, int64_t mn, int64_t k, int64_t ld) {
-  hopper::TensorMap2d d;
+Status encode_operand(CUtensorMap* map, const void* ptr, int64_t mn, int64_t k, int64_t ld, int64_t batch,
+                      int64_t batch_stride) {
+  hopper::TensorMap3d d;
   d.base = ptr;
   d.row_stride = static_cast<uint64_t>(ld);
+  d.batch = static_cast<uint64_t>(batch);
+  d.batch_stride = static_cast<uint64_t>(batch_stride);
   d.box_inner = Layout::kBoxInner;
   d.box_outer = Layout::kBoxOuter;
   d.inner = static_cast<uint64_t>(Layout::kKMajor ? k : mn);
   d.outer = static_cast<uint64_t>(Layout::kKMajor ? mn : k);
-  return hopper::encode_tensor_map_2d(map, d);
+  return hopper::encode_tensor_map_3d(map, d);
 }
 
 template <class Cfg>
 Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
-  using Element = typename Cfg::Element;
   CUtensorMap tmap_a, tmap_b;
-  Status st = encode_operand<typename Cfg::LayoutA>(&tmap_a, args.a, args.m, args.k, args.lda);
+  Status st = encode_operand<typename Cfg::LayoutA>(&tmap_a, args.a, args.m, args.k, args.lda, args.batch,
+                                                    args.batch_stride_a);
   if (!st.ok()) return st;
-  st = encode_operand<typename Cfg::LayoutB>(&tmap_b, args.b, args.n, args.k, args.ldb);
+  st = encode_operand<typename Cfg::LayoutB>(&tmap_b, args.b, args.n, args.k, args.ldb, args.batch,
+                                             args.batch_stride_b);
   if (!st.ok()) return st;
 
   constexpr size_t kSmem = smem_bytes<Cfg>();
@@ -60,13 +65,17 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
                    "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
   if (!st.ok()) return st;
 
-  const OutputParams<Element> out{static_cast<Element*>(args.c), args.ldc, static_cast<int>(args.m),
-                                  static_cast<int>(args.n),
-                                  args.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(args.c) % 4 == 0};
+  const size_t c_bytes = args.c_f32 ? sizeof(float) : sizeof(typename Cfg::Element);
+  const bool paired = args.ldc % 2 == 0 && args.batch_stride_c % 2 == 0 &&
+                      reinterpret_cast<uintptr_t>(args.c) % (2 * c_bytes) == 0;
+  const OutputParams out{args.c, args.ldc, args.batch_stride_c, static_cast<int>(args.m), static_cast<int>(args.n),
+                         args.c_f32, paired};
   const SwizzledTileScheduler<Cfg::kRasterSwizzle> scheduler{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
-                                                             static_cast<int>(ceil_div(args.n, Cfg::kBlockN))};
+                                                             static_cast<int>(ceil_div(args.n, Cfg::kBlockN)),
+                                                             static_cast<int>(args.batch)};
+  if (scheduler.num_tiles() > kMaxGridX) return Status::Invalid("too many output tiles for one launch");
   const int k_tiles = static_cast<int>(ceil_div(args.k, Cfg::kBlockK));
-  kernel<<<scheduler.num_tiles(), Cfg::kThreads, kSmem, stream>>>(tmap_a, tmap_b, out, k_tiles, scheduler);
+  kernel<<<static_cast<unsigned>(scheduler.num_tiles()), Cfg::kThreads, kSmem, stream>>>(tmap_a, tmap_b, out, k_tiles, scheduler);
   return cuda_status(cudaGetLastError(), "gemm kernel launch");
 }
 

@@ -23,13 +23,13 @@ struct Mainloop {
 
   // ---- producer: run by one thread of the producer warp -------------------------------
   template <class Layout>
-  __device__ static void load_tile(Element* dst, const CUtensorMap* tmap, uint64_t* bar, int mn0,
-                                   int k0) {
+  __device__ static void load_tile(Element* dst, const CUtensorMap* tmap, uint64_t* bar, int mn0, int k0,
+                                   int batch) {
 #pragma unroll
     for (int box = 0; box < Layout::kBoxes; ++box) {
       int32_t inner, outer;
       Layout::box_coords(box, mn0, k0, inner, outer);
-      hopper::tma_load_2d(Layout::box_dst(dst, box), tmap, bar, inner, outer);
+      hopper::tma_load_3d(Layout::box_dst(dst, box), tmap, bar, inner, outer, batch);
     }
   }
 
@@ -43,8 +43,8 @@ struct Mainloop {
       // Out-of-bounds parts of a box are zero-filled and still count toward the bytes.
       pipe.producer_expect(st, Cfg::kStageBytes);
       auto& stage = smem.stages[st.index];
-      load_tile<LayoutA>(stage.a, tmap_a, pipe.producer_barrier(st), m0, kt * Cfg::kBlockK);
-      load_tile<LayoutB>(stage.b, tmap_b, pipe.producer_barrier(st), n0, kt * Cfg::kBlockK);
+      load_tile<LayoutA>(stage.a, tmap_a, pipe.producer_barrier(st), m0, kt * Cfg::kBlockK, tile.batch);
+      load_tile<LayoutB>(stage.b, tmap_b, pipe.producer_barrier(st), n0, kt * Cfg::kBlockK, tile.batch);
       st.advance();
     }
     // Drain: one more acquire per stage waits for the consumers' last release of every

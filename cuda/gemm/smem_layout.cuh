@@ -64,7 +64,8 @@ struct OperandLayout {
     return hopper::make_smem_desc(base, kLeadingByteOffset, kStrideByteOffset);
   }
 
-  // TMA box `box` of the tile whose first M/N row is mn0 and first K element is k0.
+  // TMA box `box` of the tile whose first M/N row is mn0 and first K element is k0
+  // (the batch coordinate is passed through unchanged).
   __device__ static void box_coords(int box, int mn0, int k0, int32_t& inner, int32_t& outer) {
     if constexpr (kKMajor) {
       inner = k0;

@@ -3,29 +3,36 @@
 // consecutive CTAs sweep those N tiles, then step down M. CTAs resident together thus
 // share a few B column panels and stream through A, which keeps both in L2.
 #pragma once
+#include <cstdint>
 
 namespace jax_hopper {
 
 struct TileCoord {
   int m_block;
   int n_block;
+  int batch;
 };
 
 template <int kRasterSwizzle>
 struct SwizzledTileScheduler {
   int num_m_blocks;
   int num_n_blocks;
+  int batch;
 
-  __host__ __device__ int num_tiles() const { return num_m_blocks * num_n_blocks; }
+  __host__ __device__ int64_t tiles_per_batch() const { return int64_t(num_m_blocks) * num_n_blocks; }
+  __host__ __device__ int64_t num_tiles() const { return tiles_per_batch() * batch; }
 
-  __device__ TileCoord tile(int linear) const {
+  // Batches are taken one after another; the swizzled order applies within each.
+  __device__ TileCoord tile(int64_t index) const {
+    const int b = static_cast<int>(index / tiles_per_batch());
+    const int linear = static_cast<int>(index - b * tiles_per_batch());
     const int group_size = num_m_blocks * kRasterSwizzle;
     const int group = linear / group_size;
     const int first_n = group * kRasterSwizzle;
     const int remaining_n = num_n_blocks - first_n;
     const int width = remaining_n < kRasterSwizzle ? remaining_n : kRasterSwizzle;
     const int t = linear - group * group_size;
-    return {t / width, first_n + t % width};
+    return {t / width, first_n + t % width, b};
   }
 };
 

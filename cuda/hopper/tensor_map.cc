@@ -9,7 +9,7 @@ namespace jax_hopper::hopper {
 namespace {
 
 constexpr unsigned kDriverApiVersion = 12000;  // cuTensorMapEncodeTiled appeared in 12.0
-constexpr uint32_t kRank = 2;
+constexpr uint32_t kRank = 3;
 constexpr uint32_t kElementBytes = 2;
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_fn(Status* status) {
@@ -32,21 +32,25 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn(Status* status) {
 
 }  // namespace
 
-Status encode_tensor_map_2d(CUtensorMap* map, const TensorMap2d& d) {
+Status encode_tensor_map_3d(CUtensorMap* map, const TensorMap3d& d) {
   Status status;
   const auto encode = encode_fn(&status);
   if (!status.ok()) return status;
-  const cuuint64_t dims[kRank] = {d.inner, d.outer};
-  const cuuint64_t strides[kRank - 1] = {d.row_stride * kElementBytes};  // bytes, outer dim
-  const cuuint32_t box[kRank] = {d.box_inner, d.box_outer};
-  const cuuint32_t element_strides[kRank] = {1, 1};
+  const cuuint64_t dims[kRank] = {d.inner, d.outer, d.batch};
+  // Byte strides of the outer dims; the batch stride of a single matrix is never used
+  // but must still be a valid (16-byte multiple) value.
+  const uint64_t batch_stride = d.batch > 1 ? d.batch_stride : d.row_stride * d.outer;
+  const cuuint64_t strides[kRank - 1] = {d.row_stride * kElementBytes, batch_stride * kElementBytes};
+  const cuuint32_t box[kRank] = {d.box_inner, d.box_outer, 1};
+  const cuuint32_t element_strides[kRank] = {1, 1, 1};
   const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, kRank, const_cast<void*>(d.base), dims,
                               strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS)
     return Status::Internal("cuTensorMapEncodeTiled failed with CUresult " + std::to_string(res) + " (extents " +
-                            std::to_string(d.inner) + " x " + std::to_string(d.outer) + ", row stride " +
+                            std::to_string(d.inner) + " x " + std::to_string(d.outer) + " x " + std::to_string(d.batch) +
+                            ", row stride " +
                             std::to_string(d.row_stride) + ")");
   return Status::Ok();
 }

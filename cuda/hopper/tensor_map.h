@@ -9,14 +9,16 @@
 
 namespace jax_hopper::hopper {
 
-struct TensorMap2d {
+// A batch of 2-D matrices: the box covers one matrix of the batch at a time.
+struct TensorMap3d {
   const void* base;
-  uint64_t inner, outer;    // extents in elements (innermost is contiguous)
-  uint64_t row_stride;      // elements between consecutive outer indices
+  uint64_t inner, outer, batch;  // extents in elements (innermost is contiguous)
+  uint64_t row_stride;           // elements between consecutive outer indices
+  uint64_t batch_stride;         // elements between consecutive matrices
   uint32_t box_inner, box_outer;
 };
 
 // 16-bit elements, 128-byte swizzle, zero fill out of bounds.
-Status encode_tensor_map_2d(CUtensorMap* map, const TensorMap2d& desc);
+Status encode_tensor_map_3d(CUtensorMap* map, const TensorMap3d& desc);
 
 }  // namespace jax_hopper::hopper

@@ -14,13 +14,13 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* tmap)
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
 }
 
-// 2-D tile load: coordinates are (innermost, outer) in elements.
-__device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* tmap, uint64_t* bar,
-                                            int32_t inner, int32_t outer) {
+// 3-D tile load: coordinates are (innermost, outer, batch) in elements.
+__device__ __forceinline__ void tma_load_3d(void* smem_dst, const CUtensorMap* tmap, uint64_t* bar,
+                                            int32_t inner, int32_t outer, int32_t batch) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_addr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(smem_addr(bar)), "r"(inner), "r"(outer)
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(smem_addr(bar)), "r"(inner), "r"(outer), "r"(batch)
       : "memory");
 }
 

@@ -1,0 +1,44 @@
+"""Forward- and reverse-mode rules for the GEMM primitive.
+
+C = op(A) op(B) is bilinear, so its JVP is gemm(dA, B) + gemm(A, dB) and its transposes
+are two more products. Each is expressed as another gemm_p with transpose flags chosen
+so that it reads the stored operands in place: the backward pass runs our kernel in the
+NT/TN layouts, never a transposing copy and never cuBLAS.
+
+With op(X) = X^T when its flag is set:
+  dA = dC op(B)^T                       -> gemm(dC, B, ta=False, tb=not tb)   (A stored [M,K])
+  dA = (dC op(B)^T)^T = op(B) dC^T      -> gemm(B, dC, ta=tb, tb=True)       (A stored [K,M])
+  dB = op(A)^T dC                       -> gemm(A, dC, ta=not ta, tb=False)  (B stored [K,N])
+  dB = (op(A)^T dC)^T = dC^T op(A)      -> gemm(dC, A, ta=True, tb=ta)       (B stored [N,K])
+An f32 cotangent (out_dtype=f32) is rounded to the operands' type first: the kernel
+multiplies 16-bit inputs.
+"""
+
+from __future__ import annotations
+
+from jax.interpreters import ad
+
+from jax_hopper._primitive import gemm, gemm_p
+
+
+def _as_operand_type(ct, dtype):
+    return ct if ct.dtype == dtype else ct.astype(dtype)
+
+
+def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, stages):
+    del a, out_dtype
+    ct = _as_operand_type(ct, b.dtype)
+    if transpose_a:
+        return gemm(b, ct, transpose_a=transpose_b, transpose_b=True, stages=stages)
+    return gemm(ct, b, transpose_a=False, transpose_b=not transpose_b, stages=stages)
+
+
+def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, stages):
+    del b, out_dtype
+    ct = _as_operand_type(ct, a.dtype)
+    if transpose_b:
+        return gemm(ct, a, transpose_a=True, transpose_b=transpose_a, stages=stages)
+    return gemm(a, ct, transpose_a=not transpose_a, transpose_b=False, stages=stages)
+
+
+ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)

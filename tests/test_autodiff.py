@@ -1,0 +1,80 @@
+"""Gradients through our products against jnp's, on CPU (the rules, through the
+fallback) and on a Hopper GPU (the kernel in every backward layout).
+
+Tolerance as for the forward product (see test_numerics_gpu.py): each gradient is a
+product of 16-bit operands with f32 accumulation rounded to 16 bits, so its relative
+error to an f32 reference must be within 1.5x of jnp's own gradient error.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import jax_hopper
+from helpers import hopper_devices, relative_error
+
+ERROR_FACTOR = 1.5
+BIG = bool(hopper_devices())
+M, N, K = (1000, 768, 520) if BIG else (40, 24, 36)
+LAYOUTS = {
+    "NN": ((M, K), (K, N), (((1,), (0,)), ((), ()))),
+    "NT": ((M, K), (N, K), (((1,), (1,)), ((), ()))),
+    "TN": ((K, M), (K, N), (((0,), (0,)), ((), ()))),
+    "TT": ((K, M), (N, K), (((0,), (1,)), ((), ()))),
+    "batched": ((3, M, K), (3, K, N), (((2,), (1,)), ((0,), (0,)))),
+}
+
+
+def _data(key, shapes, dtype):
+    ka, kb, kw = jax.random.split(key, 3)
+    a = jax.random.normal(ka, shapes[0], jnp.float32).astype(dtype)
+    b = jax.random.normal(kb, shapes[1], jnp.float32).astype(dtype)
+    return a, b, kw
+
+
+def _grads(dot_general, a, b, w, dims, preferred=None):
+    def loss(x, y):
+        c = dot_general(x, y, dims, preferred_element_type=preferred)
+        return jnp.sum(c.astype(jnp.float32) * w)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("preferred", [None, jnp.float32], ids=["out16", "out32"])
+def test_grads_match_jnp(layout, dtype, preferred):
+    a_shape, b_shape, dims = LAYOUTS[layout]
+    a, b, kw = _data(jax.random.key(hash(layout) % 1000), (a_shape, b_shape), dtype)
+    out_shape = jax.eval_shape(lambda x, y: lax.dot_general(x, y, dims), a, b).shape
+    w = jax.random.normal(kw, out_shape, jnp.float32)
+    ours = _grads(jax_hopper.dot_general, a, b, w, dims, preferred)
+    theirs = _grads(lax.dot_general, a, b, w, dims, preferred)
+    exact = _grads(lambda x, y, d, preferred_element_type: lax.dot_general(x, y, d, precision="highest"),
+                   a.astype(jnp.float32), b.astype(jnp.float32), w, dims)
+    for g_ours, g_theirs, g_exact, name in zip(ours, theirs, exact, "ab"):
+        assert g_ours.dtype == g_theirs.dtype == dtype and g_ours.shape == g_theirs.shape
+        err, err_jnp = relative_error(g_ours, g_exact), relative_error(g_theirs, g_exact)
+        # An f32 cotangent is rounded to 16 bits before our kernel uses it (jnp keeps it
+        # in f32): one more 16-bit rounding, which at most doubles a rounding-level error.
+        allowed = ERROR_FACTOR * err_jnp * (2 if preferred is not None else 1)
+        assert err <= allowed, f"d{name}: {err:.3e} vs jnp {err_jnp:.3e}"
+
+
+def test_jvp_and_linearize_match_jnp():
+    a_shape, b_shape, dims = LAYOUTS["NT"]
+    a, b, _ = _data(jax.random.key(7), (a_shape, b_shape), jnp.float16)
+    da, db, _ = _data(jax.random.key(8), (a_shape, b_shape), jnp.float16)
+    f_ours = lambda x, y: jax_hopper.dot_general(x, y, dims)  # noqa: E731
+    f_theirs = lambda x, y: lax.dot_general(x, y, dims)  # noqa: E731
+    _, t_ours = jax.jvp(f_ours, (a, b), (da, db))
+    _, t_theirs = jax.jvp(f_theirs, (a, b), (da, db))
+    exact = lax.dot_general(da.astype(jnp.float32), b.astype(jnp.float32), dims, precision="highest") + \
+        lax.dot_general(a.astype(jnp.float32), db.astype(jnp.float32), dims, precision="highest")
+    # Tangent = two rounded products summed: allow both roundings.
+    assert relative_error(t_ours, exact) <= 2 * ERROR_FACTOR * relative_error(t_theirs, exact)
+    _, lin = jax.linearize(f_ours, a, b)
+    assert relative_error(lin(da, db), exact) <= 2 * ERROR_FACTOR * relative_error(t_theirs, exact)

@@ -1,0 +1,132 @@
+"""CPU tests of what layouts, batching, vmap and autodiff lower to for CUDA: our custom
+call in every product, no transposing copy feeding it, no loop."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_hopper
+
+F16 = jnp.float16
+M, N, K, B = 256, 512, 128, 3
+
+
+def cuda_text(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def calls(text):
+    """[(transpose_a, transpose_b)] of every jax_hopper_gemm call in the module."""
+    found = re.findall(r"custom_call @(\S+)\((.*)", text)
+    out = []
+    for target, rest in found:
+        assert target == "jax_hopper_gemm", f"unexpected custom call {target}"
+        ta = re.search(r"transpose_a = (\d)", rest).group(1)
+        tb = re.search(r"transpose_b = (\d)", rest).group(1)
+        out.append((int(ta), int(tb)))
+    return out
+
+
+def assert_no_copies_or_loops(text):
+    assert "stablehlo.transpose" not in text
+    assert "stablehlo.while" not in text
+    assert "stablehlo.dot_general" not in text
+
+
+S = jax.ShapeDtypeStruct
+LAYOUTS = {  # name: (lhs shape, rhs shape, dimension numbers, expected flags)
+    "NN": ((M, K), (K, N), (((1,), (0,)), ((), ())), (0, 0)),
+    "NT": ((M, K), (N, K), (((1,), (1,)), ((), ())), (0, 1)),
+    "TN": ((K, M), (K, N), (((0,), (0,)), ((), ())), (1, 0)),
+    "TT": ((K, M), (N, K), (((0,), (1,)), ((), ())), (1, 1)),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_each_layout_reads_operands_in_place(layout, dtype):
+    ls, rs, dims, flags = LAYOUTS[layout]
+    text = cuda_text(lambda a, b: jax_hopper.dot_general(a, b, dims), S(ls, dtype), S(rs, dtype))
+    assert calls(text) == [flags]
+    assert_no_copies_or_loops(text)
+
+
+def test_batched_dot_general_is_one_batched_call():
+    dims = (((2,), (1,)), ((0,), (0,)))
+    text = cuda_text(lambda a, b: jax_hopper.dot_general(a, b, dims), S((B, M, K), F16), S((B, K, N), F16))
+    assert calls(text) == [(0, 0)]
+    assert re.search(r"-> tensor<3x256x512xf16>", text)
+    assert_no_copies_or_loops(text)
+
+
+def test_nd_activations_times_weights_fold_into_m():
+    text = cuda_text(jax_hopper.dot, S((4, 8, K), F16), S((K, N), F16))
+    assert calls(text) == [(0, 0)]
+    assert re.search(r"custom_call @jax_hopper_gemm.*-> tensor<32x512xf16>", text)
+    assert_no_copies_or_loops(text)
+
+
+def test_matmul_batch_broadcast_is_one_call():
+    text = cuda_text(jax_hopper.matmul, S((B, M, K), F16), S((B, K, N), F16))
+    assert calls(text) == [(0, 0)]
+    assert_no_copies_or_loops(text)
+
+
+@pytest.mark.parametrize("in_axes", [(0, None), (None, 0), (0, 0), (1, None), (None, 2)])
+def test_vmap_is_one_launch_not_a_loop(in_axes):
+    shapes = {0: (B, M, K), 1: (M, B, K), None: (M, K)}
+    a = S(shapes[in_axes[0]], F16)
+    b = S({0: (B, K, N), 2: (K, N, B), None: (K, N)}[in_axes[1]], F16)
+    text = cuda_text(jax.vmap(jax_hopper.matmul, in_axes=in_axes), a, b)
+    assert len(calls(text)) == 1
+    assert "stablehlo.while" not in text
+
+
+def test_nested_vmap_is_one_launch():
+    f = jax.vmap(jax.vmap(jax_hopper.matmul))
+    text = cuda_text(f, S((2, B, M, K), F16), S((2, B, K, N), F16))
+    assert len(calls(text)) == 1 and "stablehlo.while" not in text
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grad_runs_every_product_on_our_kernel_without_transposes(layout):
+    ls, rs, dims, _ = LAYOUTS[layout]
+
+    def loss(a, b):  # squared, so the forward product is needed by the backward pass
+        c = jax_hopper.dot_general(a, b, dims).astype(jnp.float32)
+        return jnp.sum(c * c)
+
+    text = cuda_text(jax.grad(loss, argnums=(0, 1)), S(ls, F16), S(rs, F16))
+    assert len(calls(text)) == 3  # forward, dA, dB
+    assert "stablehlo.transpose" not in text and "stablehlo.dot_general" not in text
+
+
+def test_grad_of_batched_and_f32_output_products_stays_on_our_kernel():
+    def loss(a, b):
+        c = jax_hopper.matmul(a, b, preferred_element_type=jnp.float32)
+        return jnp.sum(c * c)
+
+    text = cuda_text(jax.grad(loss, argnums=(0, 1)), S((B, M, K), F16), S((B, K, N), F16))
+    assert len(calls(text)) == 3
+    assert "stablehlo.dot_general" not in text
+
+
+@pytest.mark.parametrize("transform", ["jvp", "linearize", "checkpoint", "vjp"])
+def test_other_autodiff_entry_points_lower_to_our_kernel(transform):
+    a, b = jnp.ones((M, K), F16), jnp.ones((K, N), F16)
+    mm = jax_hopper.matmul
+    if transform == "jvp":
+        fn = lambda x, y: jax.jvp(mm, (x, y), (x, y))[1]  # noqa: E731
+    elif transform == "linearize":
+        fn = lambda x, y: jax.linearize(mm, x, y)[1](x, y)  # noqa: E731
+    elif transform == "checkpoint":
+        fn = jax.grad(lambda x, y: jnp.sum(jax.checkpoint(mm)(x, y).astype(jnp.float32) ** 2))  # noqa: E731
+    else:
+        fn = lambda x, y: jax.vjp(mm, x, y)[1](jnp.ones((M, N), F16))  # noqa: E731
+    text = cuda_text(fn, a, b)
+    assert len(calls(text)) >= 2
+    assert "stablehlo.dot_general" not in text
