@@ -105,3 +105,49 @@ def test_eager_call_runs_the_kernel(hopper):
     a, b = _inputs(129, 257, 72, jnp.float16, seed=4)
     ref = f32_reference(a, b)
     assert relative_error(jax_hopper.matmul(a, b), ref) <= ERROR_FACTOR * relative_error(jnp.dot(a, b), ref)
+
+
+LAYOUT_DIMS = {  # stored A, stored B, dimension numbers
+    "NT": (lambda m, n, k: ((m, k), (n, k)), (((1,), (1,)), ((), ()))),
+    "TN": (lambda m, n, k: ((k, m), (k, n)), (((0,), (0,)), ((), ()))),
+    "TT": (lambda m, n, k: ((k, m), (n, k)), (((0,), (1,)), ((), ()))),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUT_DIMS)
+@pytest.mark.parametrize("shape", [(4096, 4096, 4096), (1000, 3000, 520), (129, 257, 72), (100, 101, 103)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
+def test_transposed_layouts_match_f32_reference(hopper, layout, shape, dtype):
+    m, n, k = shape
+    shapes, dims = LAYOUT_DIMS[layout]
+    a_shape, b_shape = shapes(m, n, k)
+    ka, kb = jax.random.split(jax.random.key(m + n + k))
+    a, b = seed_normal(ka, a_shape, dtype, k), seed_normal(kb, b_shape, dtype, k)
+    f = lambda x, y: jax_hopper.dot_general(x, y, dims)  # noqa: E731
+    out, _ = run_into_poison(f, (m, n), dtype, a, b)
+    assert not bool(jnp.isnan(out).any())
+    ref = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims, precision="highest")
+    err, err_jnp = relative_error(out, ref), relative_error(jax.lax.dot_general(a, b, dims), ref)
+    assert err <= ERROR_FACTOR * err_jnp, f"{err:.3e} vs {err_jnp:.3e}"
+
+
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32], ids=["out16", "out32"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
+def test_batched_and_f32_output_match_f32_reference(hopper, dtype, out_dtype):
+    bsz, m, n, k = 5, 1000, 600, 520
+    ka, kb = jax.random.split(jax.random.key(11))
+    a, b = seed_normal(ka, (bsz, m, k), dtype, k), seed_normal(kb, (bsz, k, n), dtype, k)
+    f = lambda x, y: jax_hopper.matmul(x, y, preferred_element_type=out_dtype)  # noqa: E731
+    expect_dtype = out_dtype or dtype
+    out, _ = run_into_poison(f, (bsz, m, n), expect_dtype, a, b)
+    assert out.dtype == expect_dtype and not bool(jnp.isnan(out).any())
+    ref = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
+    err = relative_error(out, ref)
+    err_jnp = relative_error(jnp.matmul(a, b, preferred_element_type=out_dtype), ref)
+    if out_dtype is None:
+        assert err <= ERROR_FACTOR * err_jnp, f"{err:.3e} vs {err_jnp:.3e}"
+    else:
+        # f32 output: no final rounding, so both errors are pure f32 summation noise
+        # (~sqrt(K) * 2^-24); allow an order-of-magnitude band around that, not 1.5x of it.
+        assert err <= max(ERROR_FACTOR * err_jnp, 1e-5), f"{err:.3e} vs {err_jnp:.3e}"
