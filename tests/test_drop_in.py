@@ -57,7 +57,7 @@ def _random(key, shape, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-@settings(max_examples=40 if ON_HOPPER else 60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25 if ON_HOPPER else 60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=dot_general_cases(), seed=st.integers(0, 2**31 - 1))
 def test_dot_general_matches_lax(case, seed):
     lhs_shape, rhs_shape, dims, dtype, preferred = case
