@@ -25,20 +25,22 @@ def _as_operand_type(ct, dtype):
     return ct if ct.dtype == dtype else ct.astype(dtype)
 
 
-def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, stages):
-    del a, out_dtype
+# The backward products use the default kernel: a V5 forward (jnp.dot's layout only)
+# has no NT/TN instances to reuse.
+def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
+    del a, out_dtype, kernel, stages
     ct = _as_operand_type(ct, b.dtype)
     if transpose_a:
-        return gemm(b, ct, transpose_a=transpose_b, transpose_b=True, stages=stages)
-    return gemm(ct, b, transpose_a=False, transpose_b=not transpose_b, stages=stages)
+        return gemm(b, ct, transpose_a=transpose_b, transpose_b=True)
+    return gemm(ct, b, transpose_a=False, transpose_b=not transpose_b)
 
 
-def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, stages):
-    del b, out_dtype
+def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
+    del b, out_dtype, kernel, stages
     ct = _as_operand_type(ct, a.dtype)
     if transpose_b:
-        return gemm(ct, a, transpose_a=True, transpose_b=transpose_a, stages=stages)
-    return gemm(a, ct, transpose_a=not transpose_a, transpose_b=False, stages=stages)
+        return gemm(ct, a, transpose_a=True, transpose_b=transpose_a)
+    return gemm(a, ct, transpose_a=not transpose_a, transpose_b=False)
 
 
 ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)

@@ -27,6 +27,10 @@ from jax_hopper import _ffi
 from jax_hopper._fallback import gemm_reference
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+# Kernel kinds, as the FFI handler numbers them: the seed's V5 (one CTA per tile) and
+# the persistent kernel (one CTA per SM, 2-CTA clusters multicasting B), the default.
+KERNELS = {"v5": 0, "persistent": 1}
+DEFAULT_KERNEL = "persistent"
 DEFAULT_STAGES = 4
 # TMA needs 16-byte global row strides: a stored row of 16-bit elements must hold a
 # multiple of 8 of them. Shorter rows are padded on the way into the custom call.
@@ -41,8 +45,8 @@ def _mnk(a_shape, b_shape, transpose_a, transpose_b):
     return m, n, k, k_b
 
 
-def _abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype, stages):
-    del stages
+def _abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
+    del kernel, stages
     if a.ndim != b.ndim or a.ndim not in (2, 3) or a.shape[:-2] != b.shape[:-2]:
         raise ValueError(f"jax_hopper_gemm takes two 2-D operands or two 3-D operands with equal batch, "
                          f"got {a.shape} and {b.shape}")
@@ -94,22 +98,23 @@ def _local_gpus_are_hopper() -> bool:
     return all(str(getattr(d, "compute_capability", "9.0")).startswith("9") for d in devices)
 
 
-def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, stages):
+def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     if not _ffi.register():
         _ffi.warn_no_kernel_once(_ffi.missing_kernel_reason())
-        return _default_impl(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype, stages=stages)
+        return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
     if not _local_gpus_are_hopper():
         _ffi.warn_no_kernel_once("this CUDA GPU is not a Hopper (sm_90) GPU")
-        return _default_impl(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype, stages=stages)
+        return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
     m, n, _, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
     out_shape = a.shape[:-2] + (m, n)
     a, b = _pad_for_tma(a, b, transpose_a, transpose_b)
     call = jax.ffi.ffi_call(_ffi.GEMM_TARGET, jax.ShapeDtypeStruct(out_shape, out_dtype))
-    return call(a, b, transpose_a=np.int32(transpose_a), transpose_b=np.int32(transpose_b), stages=np.int32(stages))
+    return call(a, b, transpose_a=np.int32(transpose_a), transpose_b=np.int32(transpose_b),
+                kernel=np.int32(KERNELS[kernel]), stages=np.int32(stages))
 
 
-def _default_impl(a, b, *, transpose_a, transpose_b, out_dtype, stages):
-    del stages
+def _default_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
+    del kernel, stages
     return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
 
 
@@ -129,8 +134,15 @@ mlir.register_lowering(gemm_p, mlir.lower_fun(_cuda_impl, multiple_results=False
 
 
 def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, out_dtype=None,
-         stages: int = DEFAULT_STAGES):
-    """Binds the primitive (operands already validated by the public ops)."""
+         kernel: str = DEFAULT_KERNEL, stages: int = DEFAULT_STAGES):
+    """Binds the primitive (operands already validated by the public ops).
+
+    `kernel` and `stages` pick a compiled instance (cuda/gemm/instances.def); the V5
+    kernel exists for f16/bf16 in jnp.dot's layout only (its 2- and 3-stage depths for
+    f16 only), the persistent one in every layout with 4 stages.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
     return gemm_p.bind(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b), out_dtype=out_dtype,
-                       stages=int(stages))
+                       kernel=kernel, stages=int(stages))

@@ -21,8 +21,12 @@ echo "build: $(($(date +%s) - start)) s"
 grep -E "ptxas info *: Used|spill|C7517" "$LOG/build.log" | sort | uniq -c
 
 cd /tmp || exit 1  # import the installed package, not the source tree
+if ! timeout 120 python3 "$REPO/scripts/smoke_gpu.py" 2>&1 | tee "$LOG/smoke.log"; then
+  echo "smoke test failed or hung: stopping"
+  exit 1
+fi
 rc=0
-JAX_HOPPER_REQUIRE_GPU=1 timeout 900 python3 -m pytest "$REPO/tests" -q -ra ${PYTEST_ARGS:-} 2>&1 |
+JAX_HOPPER_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-900} python3 -m pytest "$REPO/tests" -q -ra ${PYTEST_ARGS:-} 2>&1 |
   tee "$LOG/tests.log" | grep -v -E "^\.|PASSED" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

@@ -67,13 +67,17 @@ def test_output_is_written_into_the_poisoned_buffer(hopper):
     assert not bool(jnp.isnan(out).any())
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
-def test_every_compiled_depth_is_correct(hopper, stages):
+@pytest.mark.parametrize("kernel,stages,dtype", [("v5", 2, jnp.float16), ("v5", 3, jnp.float16),
+                                                 ("v5", 4, jnp.float16), ("v5", 4, jnp.bfloat16)])
+@pytest.mark.parametrize("shape", [(1000, 3000, 4160), (8192, 8192, 8192), (129, 257, 72)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_seed_v5_kernel_is_correct(hopper, kernel, stages, dtype, shape):
     from jax_hopper._primitive import gemm
 
-    m, n, k = 1000, 3000, 4160
-    a, b = _inputs(m, n, k, jnp.float16, seed=stages)
-    out, _ = run_into_poison(lambda x, y: gemm(x, y, stages=stages), (m, n), jnp.float16, a, b)
+    m, n, k = shape
+    a, b = _inputs(m, n, k, dtype, seed=stages)
+    out, _ = run_into_poison(lambda x, y: gemm(x, y, kernel=kernel, stages=stages), (m, n), dtype, a, b)
+    assert not bool(jnp.isnan(out).any())
     ref = f32_reference(a, b)
     assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.dot(a, b), ref)
 

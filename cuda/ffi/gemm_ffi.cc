@@ -13,6 +13,10 @@ namespace ffi = xla::ffi;
 namespace jax_hopper {
 namespace {
 
+// Values of the `kernel` attribute (jax_hopper/_primitive.py: KERNELS).
+constexpr int32_t kKernelV5 = 0;
+constexpr int32_t kKernelPersistent = 1;
+
 std::string shape_str(ffi::AnyBuffer::Dimensions d) {
   std::string s = "[";
   for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
@@ -38,7 +42,7 @@ ffi::Error to_ffi(const Status& st) {
 //  Python side pads rows to the 16-byte multiple TMA needs and those columns are not
 //  read. c is a's type, or f32.
 ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> c,
-                    int32_t transpose_a, int32_t transpose_b, int32_t stages) {
+                    int32_t transpose_a, int32_t transpose_b, int32_t kernel, int32_t stages) {
   const auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
   const size_t rank = dc.size();
   const auto shapes = [&] {
@@ -80,7 +84,10 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   args.a = a.untyped_data();
   args.b = b.untyped_data();
   args.c = c->untyped_data();
+  if (kernel != kKernelV5 && kernel != kKernelPersistent)
+    return ffi::Error::InvalidArgument("jax_hopper_gemm: unknown kernel " + std::to_string(kernel));
   KernelChoice choice;
+  choice.kind = kernel == kKernelV5 ? KernelKind::kV5 : KernelKind::kPersistent;
   choice.stages = stages;
   return to_ffi(gemm(args, choice, stream));
 }
@@ -96,4 +103,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemm, jax_hopper::GemmImpl,
                                   .Ret<ffi::AnyBuffer>()  // c
                                   .Attr<int32_t>("transpose_a")
                                   .Attr<int32_t>("transpose_b")
+                                  .Attr<int32_t>("kernel")
                                   .Attr<int32_t>("stages"));

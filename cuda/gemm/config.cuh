@@ -11,12 +11,19 @@ namespace jax_hopper {
 constexpr size_t kMaxSmemPerBlock = 227 * 1024;  // sm_90 opt-in limit per block
 constexpr size_t kSmemAlignment = 1024;          // 128B-swizzle atoms repeat every 1 KB
 
-template <class Element_, Major kMajorA_, Major kMajorB_, int kStages_, int kRasterSwizzle_ = 4>
+template <KernelKind kKind_, class Element_, Major kMajorA_, Major kMajorB_, int kStages_, int kRasterSwizzle_ = 4>
 struct GemmConfig {
   using Element = Element_;
+  static constexpr KernelKind kKind = kKind_;
   static constexpr Major kMajorA = kMajorA_;
   static constexpr Major kMajorB = kMajorB_;
   static constexpr int kStages = kStages_;
+  // Persistent: one CTA per SM walks the tiles, so the producer fills the next tile's
+  // stages while the consumers run the epilogue. Clusters of kClusterM CTAs along M
+  // compute neighbouring M tiles of one N column: each loads 1/kClusterM of the shared
+  // B tile and multicasts it to all, cutting B's L2->SM traffic by kClusterM.
+  static constexpr bool kPersistent = kKind == KernelKind::kPersistent;
+  static constexpr int kClusterM = kPersistent ? 2 : 1;
   // Tile order: consecutive CTAs sweep this many neighbouring N tiles, then step in M.
   static constexpr int kRasterSwizzle = kRasterSwizzle_;
 
@@ -33,7 +40,7 @@ struct GemmConfig {
   static constexpr int kAccumulators = kWarpgroupM * kBlockN / hopper::kWarpgroupSize;  // 128
 
   using LayoutA = OperandLayout<Element, kMajorA, kBlockM, kBlockK>;
-  using LayoutB = OperandLayout<Element, kMajorB, kBlockN, kBlockK>;
+  using LayoutB = OperandLayout<Element, kMajorB, kBlockN, kBlockK, kClusterM>;
   static constexpr uint32_t kStageBytes = LayoutA::kBytes + LayoutB::kBytes;  // TMA tx bytes
 
   static_assert(kStages >= 2, "the lagging release needs at least two stages");

@@ -10,7 +10,7 @@
 namespace jax_hopper {
 
 // Defined by the generated per-instance translation units (instances.def).
-template <ElementType kType, Major kMajorA, Major kMajorB, int kStages>
+template <KernelKind kKind, ElementType kType, Major kMajorA, Major kMajorB, int kStages>
 Status launch_gemm_instance(const GemmArgs& args, cudaStream_t stream);
 
 namespace {
@@ -18,6 +18,7 @@ namespace {
 using LaunchFn = Status (*)(const GemmArgs&, cudaStream_t);
 
 struct Instance {
+  KernelKind kind;
   ElementType dtype;
   Major major_a, major_b;
   int stages;
@@ -25,8 +26,8 @@ struct Instance {
 };
 
 constexpr Instance kInstances[] = {
-#define JAX_HOPPER_GEMM_INSTANCE(T, A, B, S) \
-  {ElementType::T, Major::A, Major::B, S, &launch_gemm_instance<ElementType::T, Major::A, Major::B, S>},
+#define JAX_HOPPER_GEMM_INSTANCE(K, T, A, B, S) \
+  {KernelKind::K, ElementType::T, Major::A, Major::B, S, &launch_gemm_instance<KernelKind::K, ElementType::T, Major::A, Major::B, S>},
 #include "gemm/instances.def"
 #undef JAX_HOPPER_GEMM_INSTANCE
 };
@@ -98,11 +99,12 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
   if (!st.ok()) return st;
 
   for (const Instance& inst : kInstances) {
-    if (inst.dtype == args.dtype && inst.major_a == args.major_a && inst.major_b == args.major_b &&
-        inst.stages == choice.stages)
+    if (inst.kind == choice.kind && inst.dtype == args.dtype && inst.major_a == args.major_a &&
+        inst.major_b == args.major_b && inst.stages == choice.stages)
       return inst.launch(args, stream);
   }
-  return Status::Invalid("no compiled kernel for this dtype/layout with " + std::to_string(choice.stages) +
+  return Status::Invalid(std::string("no compiled ") + (choice.kind == KernelKind::kV5 ? "V5" : "persistent") +
+                         " kernel for this dtype/layout with " + std::to_string(choice.stages) +
                          " stages (A " + (a_k_major ? "K" : "M") + "-major, B " + (b_k_major ? "K" : "N") +
                          "-major; see cuda/gemm/instances.def)");
 }

@@ -31,9 +31,14 @@ struct GemmArgs {
   Major major_b = Major::kMN;
 };
 
+// Which kernel: the seed's V5 (one tile per CTA), or the persistent kernel (one CTA
+// per SM looping over tiles, 2-CTA clusters along M sharing B through TMA multicast).
+enum class KernelKind { kV5, kPersistent };
+
 // Compile-time kernel parameters that are selectable at run time (each choice is an
 // explicit instantiation listed in instances.def).
 struct KernelChoice {
+  KernelKind kind = KernelKind::kPersistent;
   int stages = 4;
 };
 

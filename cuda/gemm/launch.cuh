@@ -3,6 +3,8 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "gemm/config.cuh"
@@ -47,6 +49,39 @@ Status encode_operand(CUtensorMap* map, const void* ptr, int64_t mn, int64_t k, 
   return hopper::encode_tensor_map_3d(map, d);
 }
 
+// CTAs of this kernel that fit on the device at once (1 per SM; for clusters, what
+// the GPC layout allows), cached per device: occupancy queries are not free.
+template <class Cfg>
+Status resident_ctas(const void* kernel, size_t smem, int* ctas) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  int device = 0;
+  Status st = cuda_status(cudaGetDevice(&device), "cudaGetDevice");
+  if (!st.ok()) return st;
+  if (device < kMaxDevices && (*ctas = cache[device].load(std::memory_order_relaxed)) > 0) return Status::Ok();
+  if constexpr (Cfg::kClusterM == 1) {
+    st = cuda_status(cudaDeviceGetAttribute(ctas, cudaDevAttrMultiProcessorCount, device), "SM count");
+  } else {
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = Cfg::kClusterM;
+    attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
+    config.gridDim = dim3(Cfg::kClusterM);
+    config.blockDim = dim3(Cfg::kThreads);
+    config.dynamicSmemBytes = smem;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    int clusters = 0;
+    st = cuda_status(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cudaOccupancyMaxActiveClusters");
+    *ctas = clusters * Cfg::kClusterM;
+  }
+  if (!st.ok()) return st;
+  if (*ctas <= 0) return Status::Internal("the kernel does not fit on this device");
+  if (device < kMaxDevices) cache[device].store(*ctas, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
 template <class Cfg>
 Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   CUtensorMap tmap_a, tmap_b;
@@ -70,19 +105,38 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
                       reinterpret_cast<uintptr_t>(args.c) % (2 * c_bytes) == 0;
   const OutputParams out{args.c, args.ldc, args.batch_stride_c, static_cast<int>(args.m), static_cast<int>(args.n),
                          args.c_f32, paired};
-  const SwizzledTileScheduler<Cfg::kRasterSwizzle> scheduler{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
-                                                             static_cast<int>(ceil_div(args.n, Cfg::kBlockN)),
-                                                             static_cast<int>(args.batch)};
-  if (scheduler.num_tiles() > kMaxGridX) return Status::Invalid("too many output tiles for one launch");
+  const SchedulerOf<Cfg> scheduler{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
+                                   static_cast<int>(ceil_div(args.n, Cfg::kBlockN)), static_cast<int>(args.batch)};
   const int k_tiles = static_cast<int>(ceil_div(args.k, Cfg::kBlockK));
-  kernel<<<static_cast<unsigned>(scheduler.num_tiles()), Cfg::kThreads, kSmem, stream>>>(tmap_a, tmap_b, out, k_tiles, scheduler);
-  return cuda_status(cudaGetLastError(), "gemm kernel launch");
+
+  int64_t ctas = scheduler.num_tiles() * Cfg::kClusterM;  // V5: one CTA per tile
+  if constexpr (Cfg::kPersistent) {
+    int resident = 0;
+    st = resident_ctas<Cfg>(reinterpret_cast<const void*>(kernel), kSmem, &resident);
+    if (!st.ok()) return st;
+    ctas = std::min<int64_t>(ctas, resident);
+  }
+  if (ctas > kMaxGridX) return Status::Invalid("too many output tiles for one launch");
+
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = Cfg::kClusterM;
+  attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(Cfg::kThreads);
+  config.dynamicSmemBytes = kSmem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = Cfg::kClusterM > 1 ? 1 : 0;
+  return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, out, k_tiles, scheduler),
+                     "gemm kernel launch");
 }
 
 // The symbol each generated translation unit instantiates (see instances.def).
-template <ElementType kType, Major kMajorA, Major kMajorB, int kStages>
+template <KernelKind kKind, ElementType kType, Major kMajorA, Major kMajorB, int kStages>
 Status launch_gemm_instance(const GemmArgs& args, cudaStream_t stream) {
-  return launch_gemm<GemmConfig<typename ElementOf<kType>::type, kMajorA, kMajorB, kStages>>(args, stream);
+  return launch_gemm<GemmConfig<kKind, typename ElementOf<kType>::type, kMajorA, kMajorB, kStages>>(args, stream);
 }
 
 }  // namespace jax_hopper

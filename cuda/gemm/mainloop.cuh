@@ -19,36 +19,52 @@ struct Mainloop {
   using LayoutB = typename Cfg::LayoutB;
   using Storage = SharedStorage<Cfg>;
   using State = PipelineState<Cfg::kStages>;
-  using Pipe = Pipeline<Cfg::kStages>;
+  using Pipe = Pipeline<Cfg::kStages, Cfg::kClusterM>;
 
-  // ---- producer: run by one thread of the producer warp -------------------------------
+  // ---- producer: run by one thread of the producer warp ------------------------------
+  // Boxes [first, first + count) of one operand tile; multicast to the whole cluster
+  // when the operand is shared (cta_mask != 0).
   template <class Layout>
   __device__ static void load_tile(Element* dst, const CUtensorMap* tmap, uint64_t* bar, int mn0, int k0,
-                                   int batch) {
+                                   int batch, int first, uint16_t cta_mask) {
 #pragma unroll
-    for (int box = 0; box < Layout::kBoxes; ++box) {
+    for (int i = 0; i < Layout::kBoxesPerCta; ++i) {
+      const int box = first + i;
       int32_t inner, outer;
       Layout::box_coords(box, mn0, k0, inner, outer);
-      hopper::tma_load_3d(Layout::box_dst(dst, box), tmap, bar, inner, outer, batch);
+      if (cta_mask) {
+        hopper::tma_load_3d_multicast(Layout::box_dst(dst, box), tmap, bar, inner, outer, batch, cta_mask);
+      } else {
+        hopper::tma_load_3d(Layout::box_dst(dst, box), tmap, bar, inner, outer, batch);
+      }
     }
   }
 
+  // All K tiles of one output tile. `st` carries on across tiles, so a persistent CTA's
+  // producer runs ahead into the next tile while the consumers finish this one.
   __device__ static void load(const Pipe& pipe, Storage& smem, const CUtensorMap* tmap_a,
-                              const CUtensorMap* tmap_b, TileCoord tile, int k_tiles) {
+                              const CUtensorMap* tmap_b, TileCoord tile, int k_tiles, int cta_rank, State& st) {
     const int m0 = tile.m_block * Cfg::kBlockM;
     const int n0 = tile.n_block * Cfg::kBlockN;
-    State st = producer_start_state<Cfg::kStages>();
+    // This CTA's share of B, delivered to every CTA of the cluster.
+    constexpr uint16_t kClusterMask = Cfg::kClusterM > 1 ? (1u << Cfg::kClusterM) - 1 : 0;
+    const int first_b_box = cta_rank * LayoutB::kBoxesPerCta;
     for (int kt = 0; kt < k_tiles; ++kt) {
       pipe.producer_acquire(st);
-      // Out-of-bounds parts of a box are zero-filled and still count toward the bytes.
+      // Out-of-bounds parts of a box are zero-filled and still count toward the bytes;
+      // the peers' shares of B land on this CTA's barrier too.
       pipe.producer_expect(st, Cfg::kStageBytes);
       auto& stage = smem.stages[st.index];
-      load_tile<LayoutA>(stage.a, tmap_a, pipe.producer_barrier(st), m0, kt * Cfg::kBlockK, tile.batch);
-      load_tile<LayoutB>(stage.b, tmap_b, pipe.producer_barrier(st), n0, kt * Cfg::kBlockK, tile.batch);
+      uint64_t* bar = pipe.producer_barrier(st);
+      load_tile<LayoutA>(stage.a, tmap_a, bar, m0, kt * Cfg::kBlockK, tile.batch, 0, 0);
+      load_tile<LayoutB>(stage.b, tmap_b, bar, n0, kt * Cfg::kBlockK, tile.batch, first_b_box, kClusterMask);
       st.advance();
     }
-    // Drain: one more acquire per stage waits for the consumers' last release of every
-    // stage still in use, so this warp never exits with arrivals on its ring outstanding.
+  }
+
+  // Drain: one more acquire per stage waits for the consumers' last release of every
+  // stage still in use, so this warp never exits with arrivals on its ring outstanding.
+  __device__ static void drain(const Pipe& pipe, State& st) {
     for (int s = 0; s < Cfg::kStages; ++s) {
       pipe.producer_acquire(st);
       st.advance();
@@ -68,10 +84,10 @@ struct Mainloop {
     }
   }
 
+  // `read` carries on across the tiles of a persistent CTA.
   __device__ static void mma(const Pipe& pipe, const Storage& smem, int warpgroup, int k_tiles,
-                             float (&acc)[Cfg::kAccumulators]) {
+                             float (&acc)[Cfg::kAccumulators], State& read) {
     const bool elected = hopper::thread_in_warpgroup() == 0;
-    State read = consumer_start_state<Cfg::kStages>();
 
     // Prologue: issue K tile 0 and leave it in flight.
     pipe.consumer_wait(read);

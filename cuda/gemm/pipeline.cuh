@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 
+#include "hopper/cluster.cuh"
 #include "hopper/mbarrier.cuh"
 
 namespace jax_hopper {
@@ -32,7 +33,10 @@ __device__ PipelineState<kStages> consumer_start_state() {
   return {0, 0};
 }
 
-template <int kStages>
+// kClusterSize > 1: every CTA's stage s is also written by its peers' multicast loads,
+// so a stage is free only once the consumers of every CTA in the cluster released it:
+// each consumer warpgroup arrives on stage s's empty barrier in all the cluster's CTAs.
+template <int kStages, int kClusterSize = 1>
 struct Pipeline {
   uint64_t* full;
   uint64_t* empty;
@@ -62,7 +66,12 @@ struct Pipeline {
   // Called by one elected thread per consumer warpgroup, only once the wgmma that read
   // the stage has retired (wgmma.wait_group), never merely after issuing it.
   __device__ void consumer_release(const PipelineState<kStages>& st) const {
-    hopper::mbarrier_arrive(&empty[st.index]);
+    if constexpr (kClusterSize == 1) {
+      hopper::mbarrier_arrive(&empty[st.index]);
+    } else {
+#pragma unroll
+      for (int cta = 0; cta < kClusterSize; ++cta) hopper::mbarrier_arrive_cluster(&empty[st.index], cta);
+    }
   }
 };
 

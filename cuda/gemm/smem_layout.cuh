@@ -20,7 +20,8 @@ constexpr int kSwizzleAtomRows = 8;                                     // 8 x 1
 constexpr uint32_t kSwizzleAtomBytes = kSwizzleBytes * kSwizzleAtomRows;  // 1024
 constexpr int kTmaMaxBoxDim = 256;
 
-template <class Element, Major kMajor, int kExtent, int kBlockK>
+// kSplit CTAs of a cluster each load 1/kSplit of the tile's boxes and multicast them.
+template <class Element, Major kMajor, int kExtent, int kBlockK, int kSplit = 1>
 struct OperandLayout {
   static constexpr int kRowElems = kSwizzleBytes / sizeof(Element);  // 64
   static_assert(kBlockK == kRowElems, "one K tile is exactly one swizzle row of K");
@@ -34,11 +35,13 @@ struct OperandLayout {
   // wgmma transpose immediate: 0 reads the operand K-major, 1 reads it MN-major.
   static constexpr int kTranspose = kKMajor ? 0 : 1;
 
-  // TMA: K-major takes the whole tile in one box; MN-major one box per 64 MN elements
-  // (a 128-byte swizzled box row is at most 64 16-bit elements wide).
+  // TMA: K-major takes the tile in kSplit boxes of rows; MN-major one box per 64 MN
+  // elements (a 128-byte swizzled box row is at most 64 16-bit elements wide).
   static constexpr int kBoxInner = kRowElems;
-  static constexpr int kBoxOuter = kKMajor ? kExtent : kBlockK;
-  static constexpr int kBoxes = kKMajor ? 1 : kExtent / kRowElems;
+  static constexpr int kBoxOuter = kKMajor ? kExtent / kSplit : kBlockK;
+  static constexpr int kBoxes = kKMajor ? kSplit : kExtent / kRowElems;
+  static constexpr int kBoxesPerCta = kBoxes / kSplit;
+  static_assert(kBoxes % kSplit == 0, "boxes must divide evenly among the cluster");
   static constexpr uint32_t kBoxBytes = kBoxInner * kBoxOuter * sizeof(Element);
   static_assert(kBoxOuter <= kTmaMaxBoxDim, "TMA box dimension limit");
 
@@ -69,7 +72,7 @@ struct OperandLayout {
   __device__ static void box_coords(int box, int mn0, int k0, int32_t& inner, int32_t& outer) {
     if constexpr (kKMajor) {
       inner = k0;
-      outer = mn0;
+      outer = mn0 + box * kBoxOuter;
     } else {
       inner = mn0 + box * kRowElems;
       outer = k0;
