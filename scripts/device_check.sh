@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build, GPU tests and benchmark in one go on a Hopper machine; logs go to $1
 # (default: $OUT, else ./device-out). Extra benchmark arguments come from BENCH_ARGS,
-# extra pytest arguments from PYTEST_ARGS. Exits non-zero if the build or a test fails.
+# extra pytest arguments from PYTEST_ARGS; SANITIZE=1 adds the compute-sanitizer pass,
+# SKIP_TESTS=1 / SKIP_BENCH=1 leave those out. Exits non-zero if a build, smoke test,
+# sanitizer tool or test fails.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${1:-${OUT:-$REPO/device-out}}
@@ -26,9 +28,14 @@ if ! timeout 120 python3 "$REPO/scripts/smoke_gpu.py" 2>&1 | tee "$LOG/smoke.log
   exit 1
 fi
 rc=0
-JAX_HOPPER_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-900} python3 -m pytest "$REPO/tests" -q -ra ${PYTEST_ARGS:-} 2>&1 |
-  tee "$LOG/tests.log" | grep -v -E "^\.|PASSED" | tail -40
-[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+if [ "${SANITIZE:-0}" = 1 ]; then
+  bash "$REPO/scripts/sanitize.sh" "$LOG" || rc=1
+fi
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  JAX_HOPPER_REQUIRE_GPU=1 timeout "${TEST_TIMEOUT:-900}" python3 -m pytest "$REPO/tests" -q -ra ${PYTEST_ARGS:-} 2>&1 |
+    tee "$LOG/tests.log" | grep -v -E "^\.|PASSED" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 900 python3 -m jax_hopper.bench ${BENCH_ARGS:-} --json "$LOG/bench.json" 2>"$LOG/bench.err" |
     tee "$LOG/bench.log"

@@ -1,0 +1,26 @@
+"""A handful of small products with partial tiles in M, N and K, for compute-sanitizer:
+every kernel kind, f16/bf16, 16-bit and f32 outputs, transposed layouts, a batch."""
+
+import jax
+import jax.numpy as jnp
+
+from jax_hopper._primitive import gemm
+
+CASES = [  # (kernel, dtype, batch, m, n, k, transpose_a, transpose_b, out_dtype)
+    ("v5", jnp.float16, 0, 129, 257, 72, False, False, None),
+    ("v5", jnp.bfloat16, 0, 300, 520, 200, False, False, jnp.float32),
+    ("persistent", jnp.float16, 0, 129, 257, 72, False, False, None),
+    ("persistent", jnp.float16, 0, 300, 520, 200, False, True, None),
+    ("persistent", jnp.bfloat16, 0, 200, 300, 136, True, False, jnp.float32),
+    ("persistent", jnp.float16, 0, 136, 264, 520, True, True, None),
+    ("persistent", jnp.float16, 2, 130, 260, 72, False, False, None),
+]
+
+for kernel, dtype, batch, m, n, k, ta, tb, out_dtype in CASES:
+    lead = (batch,) if batch else ()
+    ka, kb = jax.random.split(jax.random.key(m * n + k))
+    a = jax.random.normal(ka, lead + ((k, m) if ta else (m, k)), jnp.float32).astype(dtype)
+    b = jax.random.normal(kb, lead + ((n, k) if tb else (k, n)), jnp.float32).astype(dtype)
+    out = jax.jit(lambda x, y: gemm(x, y, transpose_a=ta, transpose_b=tb, out_dtype=out_dtype, kernel=kernel))(a, b)
+    out.block_until_ready()
+    print(kernel, dtype.__name__, lead, m, n, k, ta, tb, out.dtype, "done", flush=True)
