@@ -74,6 +74,8 @@ def test_cuobjdump_sass_has_v5_signature(extension_path):
             assert needle in body, f"{needle} missing from {name}"
         # No local memory: the 128-register accumulator stays in registers.
         assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
+        if "KernelKindE1E" in name:  # the persistent kind: B shared across the 2-CTA cluster
+            assert "UTMALDG.3D.MULTICAST" in body, f"no multicast TMA load in {name}"
 
 
 def test_nvdisasm_sees_wgmma_in_the_cubins(extension_path):
