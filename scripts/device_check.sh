@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, GPU tests and benchmark in one go on a Hopper machine; logs go to $1
 # (default: $OUT, else ./device-out). Extra benchmark arguments come from BENCH_ARGS,
-# extra pytest arguments from PYTEST_ARGS; SANITIZE=1 adds the compute-sanitizer pass,
+# extra pytest arguments from PYTEST_ARGS, test paths from TESTS; SANITIZE=1 adds the compute-sanitizer pass,
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those out. Exits non-zero if a build, smoke test,
 # sanitizer tool or test fails.
 set -uo pipefail
@@ -32,7 +32,7 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   bash "$REPO/scripts/sanitize.sh" "$LOG" || rc=1
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  JAX_HOPPER_REQUIRE_GPU=1 timeout "${TEST_TIMEOUT:-900}" python3 -m pytest "$REPO/tests" -q -ra ${PYTEST_ARGS:-} 2>&1 |
+  JAX_HOPPER_REQUIRE_GPU=1 timeout "${TEST_TIMEOUT:-900}" python3 -m pytest ${TESTS:-"$REPO/tests"} -q -ra ${PYTEST_ARGS:-} 2>&1 |
     tee "$LOG/tests.log" | grep -v -E "^\.|PASSED" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
