@@ -18,13 +18,10 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-try:
-    from jax.core import ShapedArray
-except ImportError:  # moved in some jax releases
-    from jax._src.core import ShapedArray
 
 from jax_hopper import _ffi
 from jax_hopper._fallback import gemm_reference
+from jax_hopper._sharding import lowering as sharded_lowering
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # Kernel kinds, as the FFI handler numbers them: the seed's V5 (one CTA per tile) and
@@ -58,7 +55,9 @@ def _abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages)
     if k != k_b:
         raise ValueError(f"jax_hopper_gemm: contracting sizes differ: {a.shape} and {b.shape} "
                          f"(transpose_a={transpose_a}, transpose_b={transpose_b})")
-    return ShapedArray(a.shape[:-2] + (m, n), out_dtype)
+    # `a` and `b` vary over the same shard_map manual axes (gemm() sees to it); the result
+    # inherits them, and whatever else the aval carries, from `a`.
+    return a.update(shape=a.shape[:-2] + (m, n), dtype=out_dtype, weak_type=False)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -129,8 +128,33 @@ def _eager_impl(a, b, **params):
 
 gemm_p.def_impl(_eager_impl)
 gemm_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(gemm_p, mlir.lower_fun(_default_impl, multiple_results=False))
-mlir.register_lowering(gemm_p, mlir.lower_fun(_cuda_impl, multiple_results=False), platform="cuda")
+# Both lowerings go through custom_partitioning, so sharded products are partitioned as
+# jnp.dot's would be (see _sharding.py); unsharded ones lower to the local product.
+mlir.register_lowering(gemm_p, sharded_lowering(_default_impl))
+mlir.register_lowering(gemm_p, sharded_lowering(_cuda_impl), platform="cuda")
+
+
+def _varying_axes(x) -> frozenset:
+    """shard_map manual axes x varies over (the attribute moved between jax releases:
+    `aval.vma`, later `aval.mat.varying`); empty outside shard_map."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def _match_varying_axes(a, b):
+    """Inside shard_map, makes both operands vary over the union of their manual axes, as
+    jax does for its own binary primitives (a replicated weight times a sharded input)."""
+    va, vb = _varying_axes(a), _varying_axes(b)
+    if va == vb:
+        return a, b
+    def vary(x, axes):
+        if not axes:
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, tuple(sorted(axes)), to="varying")
+        return jax.lax.pvary(x, tuple(sorted(axes)))  # its name in earlier releases
+    return vary(a, vb - va), vary(b, va - vb)
 
 
 def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, out_dtype=None,
@@ -144,5 +168,6 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, out_dtyp
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
+    a, b = _match_varying_axes(a, b)
     return gemm_p.bind(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b), out_dtype=out_dtype,
                        kernel=kernel, stages=int(stages))

@@ -19,7 +19,16 @@ import pytest
 _REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if pathlib.Path(p or os.curdir).resolve() != _REPO_ROOT]
 
-from helpers import hopper_devices
+import jax  # noqa: E402
+
+# Eight CPU devices for the sharding tests (must precede backend initialisation; it
+# leaves GPU backends alone). Without the option the sharding tests skip.
+try:
+    jax.config.update("jax_num_cpu_devices", 8)
+except (AttributeError, ValueError):
+    pass
+
+from helpers import hopper_devices  # noqa: E402
 
 REQUIRE_GPU = os.environ.get("JAX_HOPPER_REQUIRE_GPU") == "1"
 

@@ -1,0 +1,164 @@
+"""SPMD partitioning of the GEMM custom call through jax's custom_partitioning.
+
+A custom call is opaque to XLA's partitioner: left alone, a sharded product would be
+gathered onto every device. Each platform's lowering of gemm_p is therefore wrapped in
+custom_partitioning with the rules jnp.dot follows (Shardy rule and GSPMD callbacks):
+
+  batch / M / N sharded      -> each device multiplies its shards; no communication
+  K (contracting) sharded    -> each device multiplies its K slice into f32 partial
+                                sums, psum over the K mesh axes, one rounding at the end
+                                (the single-device numerics; jnp.dot reduces 16-bit
+                                partials)
+  one mesh axis on two roles -> the later role (N after M, K after both) is replicated
+
+Single-device programs and fully manual contexts (shard_map) inline the local product,
+so they lower exactly as without this wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding, PartitionSpec
+
+_F32 = jnp.dtype(jnp.float32)
+
+
+def _roles(ndim, transpose_a, transpose_b):
+    """Positions of (batch, m, k) in a and of (batch, k, n) in b; batch is None at rank 2."""
+    batch = 0 if ndim == 3 else None
+    r, c = ndim - 2, ndim - 1
+    a = (batch, c, r) if transpose_a else (batch, r, c)
+    b = (batch, c, r) if transpose_b else (batch, r, c)
+    return a, b
+
+
+def _axes(spec, ndim):
+    """A PartitionSpec as one tuple of mesh-axis names per dimension."""
+    entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+    return [() if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in entries]
+
+
+def _spec_of(sharding, ndim):
+    spec = getattr(sharding, "spec", None)
+    return _axes(PartitionSpec() if spec is None else spec, ndim)
+
+
+def _plan(mesh, a_sharding, b_sharding, ndim, transpose_a, transpose_b):
+    """Mesh axes for (batch, m, n, k), each mesh axis used by at most one role."""
+    (ab, am, ak), (bb, bk, bn) = _roles(ndim, transpose_a, transpose_b)
+    sa, sb = _spec_of(a_sharding, ndim), _spec_of(b_sharding, ndim)
+    used: set[str] = set()
+
+    def take(*candidates):
+        for axes in candidates:
+            if axes and not used.intersection(axes):
+                used.update(axes)
+                return axes
+        return ()
+
+    batch = take(sa[ab], sb[bb]) if ab is not None else ()
+    m = take(sa[am])
+    n = take(sb[bn])
+    k = take(sa[ak], sb[bk])
+    del mesh
+    return batch, m, n, k
+
+
+def _pspec(dims):
+    return PartitionSpec(*[None if not d else (d[0] if len(d) == 1 else d) for d in dims])
+
+
+def _shardings(mesh, ndim, transpose_a, transpose_b, plan):
+    batch, m, n, k = plan
+    (ab, am, ak), (bb, bk, bn) = _roles(ndim, transpose_a, transpose_b)
+    a_dims, b_dims = [()] * ndim, [()] * ndim
+    if ab is not None:
+        a_dims[ab] = b_dims[bb] = batch
+    a_dims[am], a_dims[ak] = m, k
+    b_dims[bk], b_dims[bn] = k, n
+    out_dims = ([batch] if ndim == 3 else []) + [m, n]
+    return tuple(NamedSharding(mesh, _pspec(d)) for d in (a_dims, b_dims, out_dims))
+
+
+def _infer(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
+    del out_dtype, kernel, stages, result_shape
+    ndim = len(arg_shapes[0].shape)
+    plan = _plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, ndim, transpose_a, transpose_b)
+    return _shardings(mesh, ndim, transpose_a, transpose_b, plan)[2]
+
+
+def _partition(local_impl, transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
+    del result_shape
+    ndim = len(arg_shapes[0].shape)
+    plan = _plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, ndim, transpose_a, transpose_b)
+    a_sharding, b_sharding, out_sharding = _shardings(mesh, ndim, transpose_a, transpose_b, plan)
+    k_axes = plan[3]
+
+    def lower_fn(a, b):
+        params = dict(transpose_a=transpose_a, transpose_b=transpose_b, kernel=kernel, stages=stages)
+        if not k_axes:
+            return local_impl(a, b, out_dtype=out_dtype, **params)
+        partial_sums = local_impl(a, b, out_dtype=_F32, **params)
+        return jax.lax.psum(partial_sums, k_axes).astype(out_dtype)
+
+    return mesh, lower_fn, out_sharding, (a_sharding, b_sharding)
+
+
+def _sharding_rule(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, value_types, result_types):
+    del out_dtype, kernel, stages, mesh, result_types
+    lead = "b " if len(value_types[0].shape) == 3 else ""
+    a = "k m" if transpose_a else "m k"
+    b = "n k" if transpose_b else "k n"
+    return f"{lead}{a}, {lead}{b} -> {lead}m n", {"reduction_factors": ("k",)}
+
+
+def _spans_devices(ctx) -> bool:
+    """Whether this lowering is for a program XLA will partition over several devices
+    (custom_partitioning needs real devices; a single device, a cross-platform lowering
+    with no devices, or a fully manual shard_map body lower the local product directly)."""
+    axis_context = getattr(ctx.module_context, "axis_context", None)
+    devices = getattr(axis_context, "device_assignment", None)
+    if devices is not None:
+        return len(devices) > 1
+    mesh = getattr(axis_context, "mesh", None)
+    if mesh is not None:
+        return set(getattr(axis_context, "manual_axes", ())) != set(mesh.axis_names)
+    return False
+
+
+def lowering(local_impl):
+    """A lowering rule for gemm_p computing local_impl(a, b, **params) on one device and
+    partitioned by the rules above when the program spans several."""
+    direct = mlir.lower_fun(local_impl, multiple_results=False)
+    sharded = mlir.lower_fun(partitioned(local_impl), multiple_results=False)
+
+    def rule(ctx, *args, **params):
+        return (sharded if _spans_devices(ctx) else direct)(ctx, *args, **params)
+
+    return rule
+
+
+def partitioned(local_impl):
+    """local_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages) -> C,
+    wrapped so XLA partitions it by the rules above."""
+
+    @functools.partial(custom_partitioning, static_argnums=(2, 3, 4, 5, 6))
+    def call(a, b, transpose_a, transpose_b, out_dtype, kernel, stages):
+        return local_impl(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype, kernel=kernel,
+                          stages=stages)
+
+    call.def_partition(
+        partition=functools.partial(_partition, local_impl),
+        infer_sharding_from_operands=_infer,
+        sharding_rule=_sharding_rule,
+    )
+
+    def impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
+        return call(a, b, transpose_a, transpose_b, out_dtype, kernel, stages)
+
+    return impl
