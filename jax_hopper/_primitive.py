@@ -18,10 +18,10 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-
 from jax_hopper import _ffi
 from jax_hopper._fallback import gemm_reference
 from jax_hopper._sharding import lowering as sharded_lowering
+from jax_hopper._sharding import output_sharding
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # Kernel kinds, as the FFI handler numbers them: the seed's V5 (one CTA per tile) and
@@ -56,8 +56,11 @@ def _abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages)
         raise ValueError(f"jax_hopper_gemm: contracting sizes differ: {a.shape} and {b.shape} "
                          f"(transpose_a={transpose_a}, transpose_b={transpose_b})")
     # `a` and `b` vary over the same shard_map manual axes (gemm() sees to it); the result
-    # inherits them, and whatever else the aval carries, from `a`.
-    return a.update(shape=a.shape[:-2] + (m, n), dtype=out_dtype, weak_type=False)
+    # inherits them, and whatever else the aval carries, from `a`; its sharding (explicit
+    # mesh axes) follows jnp.dot's rule.
+    sharding = output_sharding(a, b, transpose_a, transpose_b)
+    extra = {} if sharding is None else {"sharding": sharding}
+    return a.update(shape=a.shape[:-2] + (m, n), dtype=out_dtype, weak_type=False, **extra)
 
 
 def _round_up(x: int, multiple: int) -> int:

@@ -85,6 +85,20 @@ def _shardings(mesh, ndim, transpose_a, transpose_b, plan):
     return tuple(NamedSharding(mesh, _pspec(d)) for d in (a_dims, b_dims, out_dims))
 
 
+def output_sharding(a, b, transpose_a, transpose_b):
+    """The result's sharding in the avals' type system (explicit mesh axes): batch and M
+    as `a` has them, N as `b` has it, jnp.dot's rule. None where avals carry none."""
+    sa, sb = getattr(a, "sharding", None), getattr(b, "sharding", None)
+    if not (hasattr(sa, "spec") and hasattr(sb, "spec") and hasattr(sa, "mesh")):
+        return None
+    ndim = a.ndim
+    (ab, am, _), (_, _, bn) = _roles(ndim, transpose_a, transpose_b)
+    spec_a = tuple(sa.spec) + (None,) * (ndim - len(tuple(sa.spec)))
+    spec_b = tuple(sb.spec) + (None,) * (ndim - len(tuple(sb.spec)))
+    entries = ((spec_a[ab],) if ab is not None else ()) + (spec_a[am], spec_b[bn])
+    return NamedSharding(sa.mesh, PartitionSpec(*entries))
+
+
 def _infer(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
     del out_dtype, kernel, stages, result_shape
     ndim = len(arg_shapes[0].shape)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import hopper_devices, relative_error
 from jax import lax
 
 import jax_hopper
-from helpers import hopper_devices, relative_error
 
 ERROR_FACTOR = 1.5
 BIG = bool(hopper_devices())

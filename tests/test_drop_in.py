@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_same_product, hopper_devices
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
 import jax_hopper
-from helpers import assert_same_product, hopper_devices
 
 ON_HOPPER = bool(hopper_devices())
 MAX_DIM = 300 if ON_HOPPER else 6

@@ -6,9 +6,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import hopper_devices, relative_error
 
 import jax_hopper
-from helpers import hopper_devices, relative_error
 
 nn = pytest.importorskip("flax.linen", reason="flax is not installed (pip install flax)")
 

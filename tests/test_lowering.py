@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import seed_normal
 
 import jax_hopper
-from helpers import seed_normal
 
 TARGET = "jax_hopper_gemm"
 KERNEL_DTYPES = [jnp.float16, jnp.bfloat16]

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import f32_reference, relative_error, run_into_poison, seed_normal
 
 import jax_hopper
-from helpers import f32_reference, relative_error, run_into_poison, seed_normal
 
 ERROR_FACTOR = 1.5
 SHAPES = [

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import f32_reference, relative_error, seed_normal
 
 import jax_hopper
-from helpers import f32_reference, relative_error, seed_normal
 
 F16 = jnp.float16
 

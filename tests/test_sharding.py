@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_same_product, relative_error
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_hopper
-from helpers import assert_same_product, relative_error
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 DEVICES = GPUS if len(GPUS) >= 2 else jax.devices("cpu")
@@ -124,10 +124,16 @@ def test_explicit_axis_types_behave_like_jnp():
     a = _random(jax.random.key(6), (M, K))
     b = _random(jax.random.key(7), (K, N))
     with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
-        a_m = jax.device_put(a, NamedSharding(mm, P("x", None)))
-        ours, ref = jax.jit(jax_hopper.matmul)(a_m, b), jax.jit(jnp.matmul)(a_m, b)
-        assert ours.sharding.is_equivalent_to(ref.sharding, 2)
-        np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), rtol=2**-9, atol=2**-9)
+        for sa, sb in [(P("x", None), P()), (P(), P(None, "x")), (P("x", None), P(None, "y"))]:
+            a_s = jax.device_put(a, NamedSharding(mm, sa))
+            b_s = jax.device_put(b, NamedSharding(mm, sb))
+            f = jax.jit(jax_hopper.matmul)
+            ours, ref = f(a_s, b_s), jax.jit(jnp.matmul)(a_s, b_s)
+            # The result's type carries jnp.dot's sharding, so nothing is gathered to fit it.
+            assert ours.sharding.is_equivalent_to(ref.sharding, 2), (sa, sb, ours.sharding, ref.sharding)
+            assert _collectives(f.lower(a_s, b_s).compile().as_text())["all-gather"] == 0
+            np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), rtol=2**-9,
+                                       atol=2**-9)
         # A sharded contracting dimension needs out_sharding, for jnp and for us alike.
         a_k = jax.device_put(a, NamedSharding(mm, P(None, "x")))
         b_k = jax.device_put(b, NamedSharding(mm, P("x", None)))
