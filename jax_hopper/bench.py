@@ -4,6 +4,7 @@
     python -m jax_hopper.bench --shapes 8192 --stages 2,3,4   # the seed's depth table
     python -m jax_hopper.bench --dtype bf16 --shapes 4096x14336x4096 --json out.json
     python -m jax_hopper.bench --shapes 8192 --layouts nn,nt,tn --batched 8x2048x2048x2048
+    python -m jax_hopper.bench --sweep --dtype f16,bf16 --json sweep.json --plot sweep.png
 
 Protocol (../shared/GUIDE.md section 5): the seed's data (standard normal scaled by
 K^-1/4, so C has unit variance); enough distinct input sets that they do not fit in L2,
@@ -35,6 +36,10 @@ KERNEL_SAMPLES = 15  # kernel-time samples per variant
 SUSTAINED_SECONDS = 0.4  # target length of one sustained loop
 SUSTAINED_ROUNDS = 3
 DTYPES = {"f16": jnp.float16, "bf16": jnp.bfloat16}
+# The shapes users run (issue 4's sweep): squares, LLM training shapes, decode shapes
+# (small M against 8192x8192 weights), odd sizes (8191: rows TMA cannot describe).
+SWEEP_SHAPES = ("1024,2048,4096,6144,8192,16384,4096x14336x4096,4096x4096x14336,16384x8192x8192,"
+                "8192x8192x1024,16x8192x8192,64x8192x8192,128x8192x8192,256x8192x8192,1000,3000x5000x7000,8191")
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -253,6 +258,83 @@ def print_table(rows, file=sys.stdout):
               f" {r['sustained_ratio_vs_jnp']:>6.3f} {err:>9}", file=file)
 
 
+def bench_tp_mlp(tokens, d_model, d_ff, dtype_name, n_devices, progress):
+    """A tensor-parallel MLP block on n_devices: x @ W1 (column parallel: W1 split on its
+    output dim), GELU, @ W2 (row parallel: W2 split on its input dim, so XLA adds a psum).
+    Ours and jnp.matmul in the same jitted block; sustained timing (wall clock of back-to-back
+    dispatches: per-kernel CUPTI time does not cover the collective across devices)."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_hopper.ops import matmul
+
+    dtype = DTYPES[dtype_name]
+    devices = jax.devices()[:n_devices]
+    if len(devices) < n_devices:
+        raise SystemExit(f"--tp-mlp needs {n_devices} devices, found {len(devices)}")
+    mesh = jax.make_mesh((n_devices,), ("tp",), axis_types=(AxisType.Auto,), devices=devices)
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.device_put(jax.random.normal(keys[0], (tokens, d_model), jnp.float32).astype(dtype),
+                       NamedSharding(mesh, P()))
+    w1 = jax.device_put((jax.random.normal(keys[1], (d_model, d_ff), jnp.float32) / d_model**0.5).astype(dtype),
+                        NamedSharding(mesh, P(None, "tp")))
+    w2 = jax.device_put((jax.random.normal(keys[2], (d_ff, d_model), jnp.float32) / d_ff**0.5).astype(dtype),
+                        NamedSharding(mesh, P("tp", None)))
+
+    def block(mm):
+        return jax.jit(lambda a, b, c: mm(jax.nn.gelu(mm(a, b)), c))
+
+    variants = {"jax_hopper": block(matmul), "jnp.dot": block(jnp.matmul)}
+    outs = {name: f(x, w1, w2) for name, f in variants.items()}
+    ref = outs["jnp.dot"].astype(jnp.float32)
+    err = float(jnp.linalg.norm(outs["jax_hopper"].astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+
+    class Wrapped:
+        def __init__(self, f):
+            self.dispatch, self.sync = f, jax.block_until_ready
+
+    times = {name: [] for name in variants}
+    for _ in range(SUSTAINED_ROUNDS):
+        for name, f in variants.items():
+            times[name].append(sustained_ms(Wrapped(lambda a, b, f=f: f(a, b, w2)), [(x, w1)], 1.0))
+        progress()
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    flops = 2.0 * 2 * tokens * d_model * d_ff
+    return [{
+        "batch": 0, "m": tokens, "n": d_ff, "k": d_model, "layout": f"tp-mlp x{n_devices}", "dtype": dtype_name,
+        "variant": name, "clock": "wall", "kernel_ms": med[name], "kernel_tflops": flops / med[name] / 1e9,
+        "kernel_ratio_vs_jnp": med["jnp.dot"] / med[name], "kernel_spread_ms": [min(times[name]), max(times[name])],
+        "sustained_ms": med[name], "sustained_tflops": flops / med[name] / 1e9,
+        "sustained_ratio_vs_jnp": med["jnp.dot"] / med[name],
+        "rel_error": err if name == "jax_hopper" else 0.0, "input_sets": 1,
+    } for name in variants]
+
+
+def plot(rows, path):
+    """TF/s (kernel time) per case and variant, like the seed's plot; needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}", file=sys.stderr)
+        return
+    labels = list(dict.fromkeys(f"{case_label(r)} {r['dtype']}" for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(labels) * len(variants)), 5))
+    for i, v in enumerate(variants):
+        tf = {f"{case_label(r)} {r['dtype']}": r["kernel_tflops"] for r in rows if r["variant"] == v}
+        ax.bar([x + i * width for x in range(len(labels))], [tf.get(lab, 0) for lab in labels], width, label=v)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("TFLOP/s (kernel time)")
+    ax.set_title(f"{jax.devices()[0].device_kind}: jax_hopper vs jnp.dot")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="8192,4096", help="comma-separated N (cube) or MxNxK")
@@ -262,12 +344,20 @@ def main(argv=None):
     p.add_argument("--stages", default="4", help="comma-separated pipeline depths of the seed's V5 kernel to time "
                    "(2, 3, 4 are compiled for f16; 4 for bf16); empty for none")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.matmul column")
+    p.add_argument("--sweep", action="store_true", help="the shapes users run (replaces --shapes; adds NT and TN "
+                   "at 8192^3)")
+    p.add_argument("--tp-mlp", default="", help="comma-separated TOKENSxDMODELxDFF tensor-parallel MLP blocks "
+                   "(column- then row-parallel) over --devices devices, ours vs jnp, sustained time")
+    p.add_argument("--devices", type=int, default=2, help="devices for --tp-mlp")
     p.add_argument("--json", help="write all rows to this JSON file")
+    p.add_argument("--plot", help="write a PNG bar chart of TF/s per case to this file")
     args = p.parse_args(argv)
 
-    shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
+    shapes = [parse_shape(s) for s in (SWEEP_SHAPES if args.sweep else args.shapes).split(",") if s]
     layouts = args.layouts.split(",")
     cases = [(0, *s, lay) for s in shapes for lay in layouts]
+    if args.sweep:
+        cases += [(0, 8192, 8192, 8192, lay) for lay in ("nt", "tn") if lay not in layouts]
     for text in filter(None, args.batched.split(",")):
         b, m, n, k = (int(x) for x in text.lower().split("x"))
         cases.append((b, m, n, k, "nn"))
@@ -294,8 +384,19 @@ def main(argv=None):
         sys.stdout.flush()
         rows.extend(shape_rows)
 
+    for idx, text in enumerate(filter(None, args.tp_mlp.split(","))):
+        tokens, d_model, d_ff = (int(x) for x in text.lower().split("x"))
+        for d in dtypes:
+            tp_rows = bench_tp_mlp(tokens, d_model, d_ff, d, args.devices,
+                                   lambda: print(".", end="", file=sys.stderr, flush=True))
+            print(file=sys.stderr)
+            print_table(tp_rows)
+            rows.extend(tp_rows)
+
     print("\nsummary")
     print_table(rows)
+    if args.plot:
+        plot(rows, args.plot)
     if args.json:
         meta = {"device": dev.device_kind, "jax": jax.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                 "protocol": {"kernel_samples": KERNEL_SAMPLES, "sustained_rounds": SUSTAINED_ROUNDS}}
