@@ -91,6 +91,9 @@ def output_sharding(a, b, transpose_a, transpose_b):
     sa, sb = getattr(a, "sharding", None), getattr(b, "sharding", None)
     if not (hasattr(sa, "spec") and hasattr(sb, "spec") and hasattr(sa, "mesh")):
         return None
+    axis_types = getattr(sa.mesh, "axis_types", ())
+    if not any("Explicit" in str(t) for t in axis_types):
+        return None  # no sharding in the type system: the result's aval carries none either
     ndim = a.ndim
     (ab, am, _), (_, _, bn) = _roles(ndim, transpose_a, transpose_b)
     spec_a = tuple(sa.spec) + (None,) * (ndim - len(tuple(sa.spec)))
