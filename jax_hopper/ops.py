@@ -43,7 +43,11 @@ def _check(name, fn, lhs, rhs):
     try:
         return jax.eval_shape(fn, _struct(lhs), _struct(rhs))
     except (TypeError, ValueError) as err:
-        raise type(err)(f"jax_hopper.{name}({_describe(lhs)}, {_describe(rhs)}): {err}") from None
+        try:
+            named = type(err)(f"jax_hopper.{name}({_describe(lhs)}, {_describe(rhs)}): {err}")
+        except Exception:  # an error type whose constructor takes something else
+            raise err from None
+        raise named from None
 
 
 def _plain_precision(precision) -> bool:
