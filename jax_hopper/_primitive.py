@@ -140,7 +140,10 @@ mlir.register_lowering(gemm_p, sharded_lowering(_cuda_impl), platform="cuda")
 def _varying_axes(x) -> frozenset:
     """shard_map manual axes x varies over (the attribute moved between jax releases:
     `aval.vma`, later `aval.mat.varying`); empty outside shard_map."""
-    aval = jax.typeof(x)
+    try:
+        aval = jax.typeof(x)
+    except (AttributeError, TypeError):  # a jax without typeof, or not a jax value
+        return frozenset()
     mat = getattr(aval, "mat", None)
     return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
 
