@@ -17,5 +17,4 @@ def gemm_reference(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype):
     b_contract = nb + (1 if transpose_b else 0)
     batch = tuple(range(nb))
     preferred = None if out_dtype == a.dtype else out_dtype
-    out = lax.dot_general(a, b, (((a_contract,), (b_contract,)), (batch, batch)), preferred_element_type=preferred)
-    return out
+    return lax.dot_general(a, b, (((a_contract,), (b_contract,)), (batch, batch)), preferred_element_type=preferred)

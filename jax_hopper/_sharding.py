@@ -48,7 +48,7 @@ def _spec_of(sharding, ndim):
     return _axes(PartitionSpec() if spec is None else spec, ndim)
 
 
-def _plan(mesh, a_sharding, b_sharding, ndim, transpose_a, transpose_b):
+def _plan(a_sharding, b_sharding, ndim, transpose_a, transpose_b):
     """Mesh axes for (batch, m, n, k), each mesh axis used by at most one role."""
     (ab, am, ak), (bb, bk, bn) = _roles(ndim, transpose_a, transpose_b)
     sa, sb = _spec_of(a_sharding, ndim), _spec_of(b_sharding, ndim)
@@ -65,7 +65,6 @@ def _plan(mesh, a_sharding, b_sharding, ndim, transpose_a, transpose_b):
     m = take(sa[am])
     n = take(sb[bn])
     k = take(sa[ak], sb[bk])
-    del mesh
     return batch, m, n, k
 
 
@@ -105,14 +104,14 @@ def output_sharding(a, b, transpose_a, transpose_b):
 def _infer(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
     del out_dtype, kernel, stages, result_shape
     ndim = len(arg_shapes[0].shape)
-    plan = _plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, ndim, transpose_a, transpose_b)
+    plan = _plan(arg_shapes[0].sharding, arg_shapes[1].sharding, ndim, transpose_a, transpose_b)
     return _shardings(mesh, ndim, transpose_a, transpose_b, plan)[2]
 
 
 def _partition(local_impl, transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
     del result_shape
     ndim = len(arg_shapes[0].shape)
-    plan = _plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, ndim, transpose_a, transpose_b)
+    plan = _plan(arg_shapes[0].sharding, arg_shapes[1].sharding, ndim, transpose_a, transpose_b)
     a_sharding, b_sharding, out_sharding = _shardings(mesh, ndim, transpose_a, transpose_b, plan)
     k_axes = plan[3]
 
