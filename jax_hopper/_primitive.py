@@ -24,9 +24,11 @@ from jax_hopper._sharding import lowering as sharded_lowering
 from jax_hopper._sharding import output_sharding
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-# Kernel kinds, as the FFI handler numbers them: the seed's V5 (one CTA per tile) and
-# the persistent kernel (one CTA per SM, 2-CTA clusters multicasting B), the default.
-KERNELS = {"v5": 0, "persistent": 1}
+# Kernel kinds, as the FFI handler numbers them (cuda/gemm/gemm.h: KernelKind): the
+# seed's V5 (one CTA per tile); the persistent kernel (one CTA per SM, 2-CTA clusters
+# multicasting B, TMA-store epilogue overlapping the next tile, setmaxnreg), the
+# default; and its ablations, each without one technique (f16, jnp.dot's layout only).
+KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3, "persistent_wait0": 4}
 DEFAULT_KERNEL = "persistent"
 DEFAULT_STAGES = 4
 # TMA needs 16-byte global row strides: a stored row of 16-bit elements must hold a

@@ -28,7 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jax_hopper._primitive import gemm
+from jax_hopper._primitive import KERNELS, gemm
 
 L2_BYTES = 60 * 2**20  # H200
 MAX_INPUT_SETS = 64
@@ -178,7 +178,7 @@ def sustained_ms(variant, sets, kernel_ms_estimate) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progress):
+def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progress, kernels=()):
     dtype = DTYPES[dtype_name]
     a_shape, b_shape = stored_shapes(batch, m, n, k, layout)
     n_sets = input_set_count(a_shape, b_shape, jnp.dtype(dtype).itemsize)
@@ -188,6 +188,8 @@ def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progr
     variants = [JaxVariant("jax_hopper", functools.partial(gemm, transpose_a=ta, transpose_b=tb))]
     if layout == "nn" and not batch:  # the seed's V5 is compiled for jnp.dot's layout
         variants += [JaxVariant(f"V5 s={s}", functools.partial(gemm, kernel="v5", stages=s)) for s in stages_list]
+        if dtype_name == "f16":  # the default's ablations are compiled for this case only
+            variants += [JaxVariant(name, functools.partial(gemm, kernel=name)) for name in kernels]
     # The baseline: what jnp.dot / lax.dot_general lowers to (cuBLASLt on the H200).
     variants.append(JaxVariant("jnp.dot", functools.partial(jax.lax.dot_general, dimension_numbers=dims)))
     variant_sets = {v.name: sets for v in variants}
@@ -343,6 +345,8 @@ def main(argv=None):
     p.add_argument("--batched", default="", help="comma-separated BxMxNxK batched products (NN layout)")
     p.add_argument("--stages", default="4", help="comma-separated pipeline depths of the seed's V5 kernel to time "
                    "(2, 3, 4 are compiled for f16; 4 for bf16); empty for none")
+    p.add_argument("--kernels", default="", help="comma-separated extra kernel kinds to time (f16, NN), e.g. the "
+                   "default's ablations persistent_basic,persistent_tma,persistent_wait0")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.matmul column")
     p.add_argument("--sweep", action="store_true", help="the shapes users run (replaces --shapes; adds NT and TN "
                    "at 8192^3)")
@@ -363,6 +367,10 @@ def main(argv=None):
         cases.append((b, m, n, k, "nn"))
     dtypes = args.dtype.split(",")
     stages = [int(s) for s in args.stages.split(",") if s]
+    kernels = [x for x in args.kernels.split(",") if x]
+    unknown = sorted(set(kernels) - set(KERNELS))
+    if unknown:
+        p.error(f"unknown --kernels {unknown}; choose from {sorted(KERNELS)}")
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}  jax {jax.__version__}  platform {dev.platform}", flush=True)
     if dev.platform != "gpu":
@@ -378,7 +386,7 @@ def main(argv=None):
             print(f"\r[{idx + 1}/{len(jobs)}] {batch}x{m}x{n}x{k} {layout} {d}: round {done[0]}", end="",
                   file=sys.stderr, flush=True)
 
-        shape_rows = bench_case(batch, m, n, k, layout, d, stages, not args.no_torch, progress)
+        shape_rows = bench_case(batch, m, n, k, layout, d, stages, not args.no_torch, progress, kernels)
         print(file=sys.stderr)
         print_table(shape_rows)
         sys.stdout.flush()

@@ -14,6 +14,10 @@ CASES = [  # (kernel, dtype, batch, m, n, k, transpose_a, transpose_b, out_dtype
     ("persistent", jnp.bfloat16, 0, 200, 300, 136, True, False, jnp.float32),
     ("persistent", jnp.float16, 0, 136, 264, 520, True, True, None),
     ("persistent", jnp.float16, 2, 130, 260, 72, False, False, None),
+    ("persistent", jnp.float16, 3, 200, 264, 136, False, False, jnp.float32),  # TMA store, batched f32
+    ("persistent_basic", jnp.float16, 0, 300, 520, 200, False, False, None),
+    ("persistent_tma", jnp.float16, 0, 300, 520, 200, False, False, jnp.float32),
+    ("persistent_wait0", jnp.float16, 0, 129, 264, 72, False, False, None),
 ]
 
 for kernel, dtype, batch, m, n, k, ta, tb, out_dtype in CASES:

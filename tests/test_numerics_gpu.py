@@ -67,11 +67,17 @@ def test_output_is_written_into_the_poisoned_buffer(hopper):
     assert not bool(jnp.isnan(out).any())
 
 
-@pytest.mark.parametrize("kernel,stages,dtype", [("v5", 2, jnp.float16), ("v5", 3, jnp.float16),
-                                                 ("v5", 4, jnp.float16), ("v5", 4, jnp.bfloat16)])
-@pytest.mark.parametrize("shape", [(1000, 3000, 4160), (8192, 8192, 8192), (129, 257, 72)],
+# Every selectable kernel besides the default: the seed's V5 at its depths, and the
+# default's ablations (cuda/gemm/instances.def).
+SELECTABLE = [("v5", 2, jnp.float16), ("v5", 3, jnp.float16), ("v5", 4, jnp.float16), ("v5", 4, jnp.bfloat16),
+              ("persistent_basic", 4, jnp.float16), ("persistent_tma", 4, jnp.float16),
+              ("persistent_wait0", 4, jnp.float16)]
+
+
+@pytest.mark.parametrize("kernel,stages,dtype", SELECTABLE, ids=lambda x: getattr(x, "__name__", str(x)))
+@pytest.mark.parametrize("shape", [(1000, 3000, 4160), (8192, 8192, 8192), (129, 257, 72), (100, 101, 103)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_seed_v5_kernel_is_correct(hopper, kernel, stages, dtype, shape):
+def test_selectable_kernels_are_correct(hopper, kernel, stages, dtype, shape):
     from jax_hopper._primitive import gemm
 
     m, n, k = shape

@@ -63,19 +63,40 @@ def _kernels(sass: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 
 
+# What each kernel kind (cuda/gemm/gemm.h: KernelKind, mangled as KernelKindE<n>E) adds
+# to the V5 signature, by SASS instruction.
+MULTICAST = "UTMALDG.3D.MULTICAST"  # B shared across the 2-CTA cluster
+TMA_STORE = ["UTMASTG", "STSM"]  # stmatrix into swizzled smem, then TMA store
+SETMAXNREG = "USETMAXREG"  # producer -> consumer register reallocation
+KIND_EXTRAS = {
+    0: [],  # V5
+    1: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent (the default)
+    2: [MULTICAST],  # persistent_basic
+    3: [MULTICAST, *TMA_STORE],  # persistent_tma
+    4: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_wait0
+}
+WAIT_ONE = "WARPGROUP.DEPBAR.LE gsb0, 0x1"
+WAIT0_KIND = 4
+
+
 def test_cuobjdump_sass_has_v5_signature(extension_path):
     sass = subprocess.run([_need("cuobjdump"), "-sass", extension_path], check=True, capture_output=True,
                           text=True).stdout
     kernels = _kernels(sass)
     gemm_kernels = {k: v for k, v in kernels.items() if "gemm_kernel" in k}
     assert gemm_kernels, f"no gemm kernel in {extension_path}"
+    kinds_seen = set()
     for name, body in gemm_kernels.items():
-        for needle in V5_SIGNATURE:
+        kind = int(re.search(r"KernelKindE(\d+)E", name).group(1))
+        kinds_seen.add(kind)
+        signature = [s for s in V5_SIGNATURE if kind != WAIT0_KIND or s != WAIT_ONE] + KIND_EXTRAS[kind]
+        for needle in signature:
             assert needle in body, f"{needle} missing from {name}"
+        if kind == WAIT0_KIND:  # wait_group(0) only: nothing left in flight
+            assert WAIT_ONE not in body, name
         # No local memory: the 128-register accumulator stays in registers.
         assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
-        if "KernelKindE1E" in name:  # the persistent kind: B shared across the 2-CTA cluster
-            assert "UTMALDG.3D.MULTICAST" in body, f"no multicast TMA load in {name}"
+    assert {0, 1} <= kinds_seen, f"V5 or the default persistent kernel missing: {sorted(kinds_seen)}"
 
 
 def test_nvdisasm_sees_wgmma_in_the_cubins(extension_path):

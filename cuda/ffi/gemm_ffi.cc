@@ -13,9 +13,10 @@ namespace ffi = xla::ffi;
 namespace jax_hopper {
 namespace {
 
-// Values of the `kernel` attribute (jax_hopper/_primitive.py: KERNELS).
-constexpr int32_t kKernelV5 = 0;
-constexpr int32_t kKernelPersistent = 1;
+// Values of the `kernel` attribute, by index (jax_hopper/_primitive.py: KERNELS).
+constexpr KernelKind kKernelKinds[] = {KernelKind::kV5, KernelKind::kPersistent, KernelKind::kPersistentBasic,
+                                       KernelKind::kPersistentTma, KernelKind::kPersistentWait0};
+constexpr int32_t kNumKernelKinds = sizeof(kKernelKinds) / sizeof(kKernelKinds[0]);
 
 std::string shape_str(ffi::AnyBuffer::Dimensions d) {
   std::string s = "[";
@@ -84,10 +85,10 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   args.a = a.untyped_data();
   args.b = b.untyped_data();
   args.c = c->untyped_data();
-  if (kernel != kKernelV5 && kernel != kKernelPersistent)
+  if (kernel < 0 || kernel >= kNumKernelKinds)
     return ffi::Error::InvalidArgument("jax_hopper_gemm: unknown kernel " + std::to_string(kernel));
   KernelChoice choice;
-  choice.kind = kernel == kKernelV5 ? KernelKind::kV5 : KernelKind::kPersistent;
+  choice.kind = kKernelKinds[kernel];
   choice.stages = stages;
   return to_ffi(gemm(args, choice, stream));
 }

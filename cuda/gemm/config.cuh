@@ -1,4 +1,4 @@
-// Tile shape, pipeline depth and the shared-memory budget of the V5 kernel.
+// Tile shape, pipeline depth, thread roles and the shared-memory budget of each kernel kind.
 #pragma once
 #include <cstddef>
 
@@ -10,6 +10,7 @@ namespace jax_hopper {
 
 constexpr size_t kMaxSmemPerBlock = 227 * 1024;  // sm_90 opt-in limit per block
 constexpr size_t kSmemAlignment = 1024;          // 128B-swizzle atoms repeat every 1 KB
+constexpr int kRegisterFileSize = 64 * 1024;     // 32-bit registers per SM
 
 template <KernelKind kKind_, class Element_, Major kMajorA_, Major kMajorB_, int kStages_, int kRasterSwizzle_ = 4>
 struct GemmConfig {
@@ -22,8 +23,19 @@ struct GemmConfig {
   // stages while the consumers run the epilogue. Clusters of kClusterM CTAs along M
   // compute neighbouring M tiles of one N column: each loads 1/kClusterM of the shared
   // B tile and multicasts it to all, cutting B's L2->SM traffic by kClusterM.
-  static constexpr bool kPersistent = kKind == KernelKind::kPersistent;
+  static constexpr bool kPersistent = kKind != KernelKind::kV5;
   static constexpr int kClusterM = kPersistent ? 2 : 1;
+  // Epilogue: accumulators -> shared memory -> TMA store (asynchronous: the consumers
+  // go on to the next tile while the copy engine writes this one), or straight from
+  // registers to global memory (the seed's).
+  static constexpr bool kTmaStoreEpilogue = kKind == KernelKind::kPersistentTma ||
+                                            kKind == KernelKind::kPersistent || kKind == KernelKind::kPersistentWait0;
+  // A whole producer warpgroup (only one thread issues TMA) so that setmaxnreg, which
+  // works per warpgroup, can move registers from the producer to the consumers.
+  static constexpr bool kProducerWarpgroup =
+      kKind == KernelKind::kPersistent || kKind == KernelKind::kPersistentWait0;
+  // wgmma groups left in flight after each K tile; the stage release lags by as many.
+  static constexpr int kMmaInFlight = kKind == KernelKind::kPersistentWait0 ? 0 : 1;
   // Tile order: consecutive CTAs sweep this many neighbouring N tiles, then step in M.
   static constexpr int kRasterSwizzle = kRasterSwizzle_;
 
@@ -35,18 +47,43 @@ struct GemmConfig {
 
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kWarpgroupM = kBlockM / kConsumerWarpgroups;  // 64 rows each
-  static constexpr int kProducerThreads = hopper::kWarpSize;           // one TMA warp
+  static constexpr int kProducerThreads = kProducerWarpgroup ? hopper::kWarpgroupSize : hopper::kWarpSize;
   static constexpr int kThreads = kConsumerWarpgroups * hopper::kWarpgroupSize + kProducerThreads;
   static constexpr int kAccumulators = kWarpgroupM * kBlockN / hopper::kWarpgroupSize;  // 128
+  // setmaxnreg split (CUTLASS's cooperative default): 128 x 40 + 256 x 232 = 64512 of
+  // the SM's 65536 registers.
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+
+  // TMA-store epilogue: each consumer warpgroup writes its 64 x 256 half as sub-tiles one
+  // 128-byte swizzle row wide (64 16-bit or 32 f32 columns), double-buffered, so the
+  // staging costs 32 KB instead of a whole extra 64 KB output tile.
+  static constexpr int kStoreRowBytes = 128;
+  static constexpr int kStoreBuffers = 2;
+  static constexpr int kStoreBufferBytes = kWarpgroupM * kStoreRowBytes;  // 8 KB
+  // Named hardware barriers of the consumer warpgroups' epilogues (0 is __syncthreads').
+  static constexpr int kFirstEpilogueBarrier = 1;
 
   using LayoutA = OperandLayout<Element, kMajorA, kBlockM, kBlockK>;
   using LayoutB = OperandLayout<Element, kMajorB, kBlockN, kBlockK, kClusterM>;
   static constexpr uint32_t kStageBytes = LayoutA::kBytes + LayoutB::kBytes;  // TMA tx bytes
 
-  static_assert(kStages >= 2, "the lagging release needs at least two stages");
+  static_assert(kStages >= 1 + kMmaInFlight, "the lagging release needs a stage per group in flight");
   static_assert(kWarpgroupM == 64, "one wgmma m64 row block per consumer warpgroup");
   static_assert(kAccumulators == 128, "64x256 f32 accumulator = 128 registers per thread");
+  static_assert(!kProducerWarpgroup || kProducerThreads * kProducerRegisters +
+                                           kConsumerWarpgroups * hopper::kWarpgroupSize * kConsumerRegisters <=
+                                       kRegisterFileSize,
+                "the register split exceeds the register file");
 };
+
+// Staging buffers of the TMA-store epilogue (none for the register epilogue).
+template <class Cfg, bool = Cfg::kTmaStoreEpilogue>
+struct EpilogueStorage {
+  alignas(kSmemAlignment) uint8_t buffers[Cfg::kConsumerWarpgroups][Cfg::kStoreBuffers][Cfg::kStoreBufferBytes];
+};
+template <class Cfg>
+struct EpilogueStorage<Cfg, false> {};
 
 template <class Cfg>
 struct SharedStorage {
@@ -55,6 +92,7 @@ struct SharedStorage {
     typename Cfg::Element b[Cfg::LayoutB::kElements];
   };
   Stage stages[Cfg::kStages];
+  EpilogueStorage<Cfg> epilogue;
   uint64_t full[Cfg::kStages];   // TMA -> consumers: the stage holds fresh data
   uint64_t empty[Cfg::kStages];  // consumers -> TMA: the stage may be overwritten
 };

@@ -1,13 +1,18 @@
-// V5 epilogue: each consumer thread converts its f32 accumulators to the output type
-// and stores them straight from registers to global memory, masked at partial tiles.
-// The output type is chosen at run time (the 16-bit input type, or f32 straight from
-// the accumulator) so one kernel instance serves both.
+// Epilogues: f32 accumulators -> output type -> global memory. The output type is
+// chosen at run time (the 16-bit input type, or f32 straight from the accumulator) so
+// one kernel instance serves both.
+//  DirectStoreEpilogue  (V5) each thread stores its registers, masked at partial tiles.
+//  TmaStoreEpilogue     registers -> swizzled shared-memory sub-tiles -> TMA stores
+//                       that run while the consumers start the next tile.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 
+#include <cuda.h>
+
+#include "hopper/tma.cuh"
 #include "hopper/warpgroup.cuh"
 
 namespace jax_hopper {
@@ -19,6 +24,7 @@ struct OutputParams {
   int m, n;
   bool f32;            // C is f32; else the kernel's 16-bit element type
   bool paired_stores;  // ldc even and c aligned for two-element stores
+  bool tma_store;      // C's tensor map is valid (aligned for TMA); else registers store
 };
 
 // Two adjacent columns as one store.
@@ -36,6 +42,11 @@ struct PairOf<__nv_bfloat16> {
   __device__ static type convert(float x, float y) { return __floats2bfloat162_rn(x, y); }
   __device__ static void split(type p, __nv_bfloat16& x, __nv_bfloat16& y) { x = p.x, y = p.y; }
 };
+template <class T>
+__device__ __forceinline__ uint32_t pack_pair(float x, float y) {
+  const auto p = PairOf<T>::convert(x, y);
+  return *reinterpret_cast<const uint32_t*>(&p);
+}
 template <>
 struct PairOf<float> {
   using type = float2;
@@ -92,6 +103,103 @@ struct DirectStoreEpilogue {
     } else {
       store_as<typename Cfg::Element>(acc, out, batch, row0, col0);
     }
+  }
+};
+
+template <class Cfg>
+struct TmaStoreEpilogue {
+  using Direct = DirectStoreEpilogue<Cfg>;
+  using Buffers = uint8_t[Cfg::kStoreBuffers][Cfg::kStoreBufferBytes];
+  static constexpr int kChunkBytes = 16;  // 128B swizzle permutes 16-byte chunks of a row
+  static constexpr int kSwizzleRows = 8;  // ... by XOR with the row index modulo 8
+
+  // Byte offset of (row, byte column) in a 128-byte-row buffer with the 128B swizzle
+  // TMA applies: chunk c of row r sits at chunk c ^ (r % 8). Warps writing 8 rows at
+  // the same columns thus hit 8 different bank groups.
+  __device__ static uint32_t swizzled(int row, int byte_col) {
+    const int chunk = byte_col / kChunkBytes;
+    return row * Cfg::kStoreRowBytes + ((chunk ^ (row % kSwizzleRows)) * kChunkBytes) + byte_col % kChunkBytes;
+  }
+
+  // Sub-tile `s` of this thread's accumulators into `buf` (64 rows x 128 bytes).
+  // 16-bit output: four 8x8 matrices per stmatrix.x4 -- column blocks j, j + 1, each
+  // as rows 0-7 and 8-15 of the warp's 16 rows.
+  template <class Out>
+  __device__ static void stage_subtile(const float (&acc)[Cfg::kAccumulators], uint8_t* buf, int s) {
+    constexpr int kCols = Cfg::kStoreRowBytes / sizeof(Out);
+    constexpr int kBlocks = kCols / Direct::kColsPerBlock;  // 8-column accumulator blocks
+    const int t = hopper::thread_in_warpgroup();
+    const int warp = t / hopper::kWarpSize;
+    const int lane = t % hopper::kWarpSize;
+    const uint32_t base = hopper::smem_addr(buf);
+    if constexpr (sizeof(Out) == 2) {
+      constexpr int kMatrixRows = 8;
+      const int matrix = lane / kMatrixRows;
+      const int row = warp * Direct::kRowsPerWarp + (matrix % 2) * Direct::kHalfRows + lane % kMatrixRows;
+#pragma unroll
+      for (int p = 0; p < kBlocks; p += 2) {
+        const int j = s * kBlocks + p;  // first accumulator column block of the pair
+        const int byte_col = (p + matrix / 2) * Direct::kColsPerBlock * int(sizeof(Out));
+        hopper::stmatrix_x4(base + swizzled(row, byte_col), pack_pair<Out>(acc[4 * j], acc[4 * j + 1]),
+                            pack_pair<Out>(acc[4 * j + 2], acc[4 * j + 3]),
+                            pack_pair<Out>(acc[4 * j + 4], acc[4 * j + 5]),
+                            pack_pair<Out>(acc[4 * j + 6], acc[4 * j + 7]));
+      }
+    } else {
+      const int row = warp * Direct::kRowsPerWarp + lane / 4;
+#pragma unroll
+      for (int p = 0; p < kBlocks; ++p) {
+        const int j = s * kBlocks + p;
+        const int byte_col = (p * Direct::kColsPerBlock + 2 * (lane % 4)) * int(sizeof(Out));
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float2* dst = reinterpret_cast<float2*>(buf + swizzled(row + half * Direct::kHalfRows, byte_col));
+          *dst = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        }
+      }
+    }
+  }
+
+  // Sub-tile by sub-tile through two buffers: wait until the store issued two
+  // sub-tiles ago has read its buffer, fill it, fence it for the async proxy, and let
+  // one thread issue its TMA store. The last stores stay in flight while this
+  // warpgroup starts its next tile; `finish` waits for them before the CTA exits.
+  template <class Out>
+  __device__ static void store_as(const float (&acc)[Cfg::kAccumulators], Buffers& buffers,
+                                  const CUtensorMap* tmap_c, int warpgroup, int batch, int row0, int col0) {
+    constexpr int kCols = Cfg::kStoreRowBytes / sizeof(Out);
+    constexpr int kSubtiles = Cfg::kBlockN / kCols;
+    const uint32_t barrier = Cfg::kFirstEpilogueBarrier + warpgroup;
+    const bool elected = hopper::thread_in_warpgroup() == 0;
+#pragma unroll
+    for (int s = 0; s < kSubtiles; ++s) {
+      uint8_t* buf = buffers[s % Cfg::kStoreBuffers];
+      if (elected) hopper::bulk_wait_group_read<Cfg::kStoreBuffers - 1>();
+      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
+      stage_subtile<Out>(acc, buf, s);
+      hopper::fence_proxy_async_shared();
+      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
+      if (elected) {
+        hopper::tma_store_3d(tmap_c, buf, col0 + s * kCols, row0, batch);
+        hopper::bulk_commit_group();
+      }
+    }
+  }
+
+  __device__ static void store(const float (&acc)[Cfg::kAccumulators], Buffers& buffers, const CUtensorMap* tmap_c,
+                               const OutputParams& out, int warpgroup, int batch, int row0, int col0) {
+    if (!out.tma_store) {
+      Direct::store(acc, out, batch, row0, col0);
+    } else if (out.f32) {
+      store_as<float>(acc, buffers, tmap_c, warpgroup, batch, row0, col0);
+    } else {
+      store_as<typename Cfg::Element>(acc, buffers, tmap_c, warpgroup, batch, row0, col0);
+    }
+  }
+
+  // The stores must have read shared memory before the CTA exits.
+  __device__ static void finish() {
+    if (hopper::thread_in_warpgroup() == 0) hopper::bulk_wait_group<0>();
   }
 };
 

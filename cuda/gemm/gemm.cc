@@ -3,6 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -55,16 +56,45 @@ Status check_operand(const char* name, const void* ptr, int64_t rows, int64_t ld
   return Status::Ok();
 }
 
-Status check_device() {
-  int device = 0, major = 0, minor = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+Status query_device(int device) {
+  int major = 0, minor = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
   if (err != cudaSuccess) return Status::Internal(std::string("querying the CUDA device: ") + cudaGetErrorString(err));
   if (major != kHopperMajor)
     return Status::Invalid("jax_hopper's kernel needs a Hopper GPU (sm_90a); device " + std::to_string(device) +
                            " is sm_" + std::to_string(major) + std::to_string(minor));
   return Status::Ok();
+}
+
+// The architecture check, answered once per device (a device does not change).
+Status check_device() {
+  constexpr int kMaxCachedDevices = 64;
+  static std::atomic<bool> is_hopper[kMaxCachedDevices];
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return Status::Internal(std::string("cudaGetDevice: ") + cudaGetErrorString(err));
+  const bool cacheable = device >= 0 && device < kMaxCachedDevices;
+  if (cacheable && is_hopper[device].load(std::memory_order_relaxed)) return Status::Ok();
+  Status st = query_device(device);
+  if (st.ok() && cacheable) is_hopper[device].store(true, std::memory_order_relaxed);
+  return st;
+}
+
+const char* kind_name(KernelKind kind) {
+  switch (kind) {
+    case KernelKind::kV5:
+      return "V5";
+    case KernelKind::kPersistent:
+      return "persistent";
+    case KernelKind::kPersistentBasic:
+      return "persistent_basic";
+    case KernelKind::kPersistentTma:
+      return "persistent_tma";
+    case KernelKind::kPersistentWait0:
+      return "persistent_wait0";
+  }
+  return "unknown";
 }
 
 }  // namespace
@@ -103,7 +133,7 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
         inst.major_b == args.major_b && inst.stages == choice.stages)
       return inst.launch(args, stream);
   }
-  return Status::Invalid(std::string("no compiled ") + (choice.kind == KernelKind::kV5 ? "V5" : "persistent") +
+  return Status::Invalid(std::string("no compiled ") + kind_name(choice.kind) +
                          " kernel for this dtype/layout with " + std::to_string(choice.stages) +
                          " stages (A " + (a_k_major ? "K" : "M") + "-major, B " + (b_k_major ? "K" : "N") +
                          "-major; see cuda/gemm/instances.def)");

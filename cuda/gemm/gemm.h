@@ -31,9 +31,17 @@ struct GemmArgs {
   Major major_b = Major::kMN;
 };
 
-// Which kernel: the seed's V5 (one tile per CTA), or the persistent kernel (one CTA
-// per SM looping over tiles, 2-CTA clusters along M sharing B through TMA multicast).
-enum class KernelKind { kV5, kPersistent };
+// Which kernel. kV5 is the seed (one tile per CTA, producer warp, epilogue stored from
+// registers). The persistent kinds run one CTA per SM looping over tiles in 2-CTA
+// clusters along M that share B through TMA multicast; they differ by one technique
+// each, so the benchmark can measure what each buys (config.cuh derives the details):
+//  kPersistentBasic  register->global epilogue, one producer warp (288 threads)
+//  kPersistentTma    + epilogue staged in shared memory and written by TMA stores
+//                      that overlap the next tile's mainloop
+//  kPersistent       + a producer warpgroup handing registers to the consumers
+//                      (setmaxnreg, 384 threads): the default
+//  kPersistentWait0  kPersistent with wait_group(0) instead of one wgmma group in flight
+enum class KernelKind { kV5, kPersistent, kPersistentBasic, kPersistentTma, kPersistentWait0 };
 
 // Compile-time kernel parameters that are selectable at run time (each choice is an
 // explicit instantiation listed in instances.def).

@@ -49,18 +49,39 @@ Status encode_operand(CUtensorMap* map, const void* ptr, int64_t mn, int64_t k, 
   return hopper::encode_tensor_map_3d(map, d);
 }
 
-// CTAs of this kernel that fit on the device at once (1 per SM; for clusters, what
-// the GPC layout allows), cached per device: occupancy queries are not free.
+// Output tensor map for the TMA-store epilogue: boxes one 128-byte swizzle row wide by
+// one warpgroup's rows. False (and no map) when C's layout is not one TMA can address
+// (16-byte aligned base and row/batch strides); the kernel then stores from registers.
 template <class Cfg>
-Status resident_ctas(const void* kernel, size_t smem, int* ctas) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices];
-  int device = 0;
-  Status st = cuda_status(cudaGetDevice(&device), "cudaGetDevice");
-  if (!st.ok()) return st;
-  if (device < kMaxDevices && (*ctas = cache[device].load(std::memory_order_relaxed)) > 0) return Status::Ok();
+Status encode_output(CUtensorMap* map, const GemmArgs& args, bool* usable) {
+  const uint32_t c_bytes = args.c_f32 ? sizeof(float) : sizeof(typename Cfg::Element);
+  constexpr int64_t kAlign = 16;
+  *usable = Cfg::kTmaStoreEpilogue && reinterpret_cast<uintptr_t>(args.c) % kAlign == 0 &&
+            args.ldc * c_bytes % kAlign == 0 && (args.batch == 1 || args.batch_stride_c * c_bytes % kAlign == 0);
+  if (!*usable) return Status::Ok();
+  hopper::TensorMap3d d;
+  d.base = args.c;
+  d.inner = static_cast<uint64_t>(args.n);
+  d.outer = static_cast<uint64_t>(args.m);
+  d.batch = static_cast<uint64_t>(args.batch);
+  d.row_stride = static_cast<uint64_t>(args.ldc);
+  d.batch_stride = static_cast<uint64_t>(args.batch_stride_c);
+  d.box_inner = Cfg::kStoreRowBytes / c_bytes;
+  d.box_outer = Cfg::kWarpgroupM;
+  d.element_bytes = c_bytes;
+  return hopper::encode_tensor_map_3d(map, d);
+}
+
+// Per-device facts of one kernel, computed on its first launch on that device:
+// occupancy queries and function attributes are not free, and XLA calls us per step.
+constexpr int kMaxCachedDevices = 64;
+
+// CTAs of this kernel that fit on the device at once (1 per SM; for clusters, what
+// the GPC layout allows).
+template <class Cfg>
+Status query_resident_ctas(const void* kernel, size_t smem, int device, int* ctas) {
   if constexpr (Cfg::kClusterM == 1) {
-    st = cuda_status(cudaDeviceGetAttribute(ctas, cudaDevAttrMultiProcessorCount, device), "SM count");
+    return cuda_status(cudaDeviceGetAttribute(ctas, cudaDevAttrMultiProcessorCount, device), "SM count");
   } else {
     cudaLaunchConfig_t config = {};
     cudaLaunchAttribute attr[1];
@@ -73,49 +94,63 @@ Status resident_ctas(const void* kernel, size_t smem, int* ctas) {
     config.attrs = attr;
     config.numAttrs = 1;
     int clusters = 0;
-    st = cuda_status(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cudaOccupancyMaxActiveClusters");
+    const Status st =
+        cuda_status(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cudaOccupancyMaxActiveClusters");
     *ctas = clusters * Cfg::kClusterM;
+    return st;
   }
+}
+
+// Opts the kernel into its shared memory and returns how many CTAs are resident, once
+// per device (a racing first call just repeats the same idempotent work).
+template <class Cfg>
+Status prepare_device(const void* kernel, size_t smem, int* resident) {
+  static std::atomic<int> cache[kMaxCachedDevices];
+  int device = 0;
+  Status st = cuda_status(cudaGetDevice(&device), "cudaGetDevice");
   if (!st.ok()) return st;
-  if (*ctas <= 0) return Status::Internal("the kernel does not fit on this device");
-  if (device < kMaxDevices) cache[device].store(*ctas, std::memory_order_relaxed);
+  const bool cacheable = device < kMaxCachedDevices;
+  if (cacheable && (*resident = cache[device].load(std::memory_order_acquire)) > 0) return Status::Ok();
+  st = cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                   "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  if (st.ok()) st = query_resident_ctas<Cfg>(kernel, smem, device, resident);
+  if (!st.ok()) return st;
+  if (*resident <= 0) return Status::Internal("the kernel does not fit on this device");
+  if (cacheable) cache[device].store(*resident, std::memory_order_release);
   return Status::Ok();
 }
 
 template <class Cfg>
 Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
-  CUtensorMap tmap_a, tmap_b;
+  CUtensorMap tmap_a, tmap_b, tmap_c = {};
   Status st = encode_operand<typename Cfg::LayoutA>(&tmap_a, args.a, args.m, args.k, args.lda, args.batch,
                                                     args.batch_stride_a);
   if (!st.ok()) return st;
   st = encode_operand<typename Cfg::LayoutB>(&tmap_b, args.b, args.n, args.k, args.ldb, args.batch,
                                              args.batch_stride_b);
   if (!st.ok()) return st;
+  bool tma_store = false;
+  st = encode_output<Cfg>(&tmap_c, args, &tma_store);
+  if (!st.ok()) return st;
 
   constexpr size_t kSmem = smem_bytes<Cfg>();
-  static_assert(kSmem <= kMaxSmemPerBlock, "pipeline stages do not fit in shared memory");
+  static_assert(kSmem <= kMaxSmemPerBlock, "pipeline stages and epilogue buffers do not fit in shared memory");
   const auto kernel = gemm_kernel<Cfg>;
-  // Per device and cheap; set on every launch so a new device/context is always covered.
-  st = cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
-                   "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  int resident = 0;
+  st = prepare_device<Cfg>(reinterpret_cast<const void*>(kernel), kSmem, &resident);
   if (!st.ok()) return st;
 
   const size_t c_bytes = args.c_f32 ? sizeof(float) : sizeof(typename Cfg::Element);
   const bool paired = args.ldc % 2 == 0 && args.batch_stride_c % 2 == 0 &&
                       reinterpret_cast<uintptr_t>(args.c) % (2 * c_bytes) == 0;
   const OutputParams out{args.c, args.ldc, args.batch_stride_c, static_cast<int>(args.m), static_cast<int>(args.n),
-                         args.c_f32, paired};
+                         args.c_f32, paired, tma_store};
   const SchedulerOf<Cfg> scheduler{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
                                    static_cast<int>(ceil_div(args.n, Cfg::kBlockN)), static_cast<int>(args.batch)};
   const int k_tiles = static_cast<int>(ceil_div(args.k, Cfg::kBlockK));
 
   int64_t ctas = scheduler.num_tiles() * Cfg::kClusterM;  // V5: one CTA per tile
-  if constexpr (Cfg::kPersistent) {
-    int resident = 0;
-    st = resident_ctas<Cfg>(reinterpret_cast<const void*>(kernel), kSmem, &resident);
-    if (!st.ok()) return st;
-    ctas = std::min<int64_t>(ctas, resident);
-  }
+  if constexpr (Cfg::kPersistent) ctas = std::min<int64_t>(ctas, resident);
   if (ctas > kMaxGridX) return Status::Invalid("too many output tiles for one launch");
 
   cudaLaunchConfig_t config = {};
@@ -129,7 +164,7 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   config.stream = stream;
   config.attrs = attr;
   config.numAttrs = Cfg::kClusterM > 1 ? 1 : 0;
-  return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, out, k_tiles, scheduler),
+  return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, tmap_c, out, k_tiles, scheduler),
                      "gemm kernel launch");
 }
 

@@ -84,36 +84,35 @@ struct Mainloop {
     }
   }
 
-  // `read` carries on across the tiles of a persistent CTA.
+  // `read` carries on across the tiles of a persistent CTA. Each K tile: wait for its
+  // stage, issue its MMAs, then wait until only kMmaInFlight groups are in flight and
+  // release the stage of the group that just retired. With kMmaInFlight = 1 (V5) the
+  // stage being read by the group still in flight is never released: release trails
+  // read by exactly one stage.
   __device__ static void mma(const Pipe& pipe, const Storage& smem, int warpgroup, int k_tiles,
                              float (&acc)[Cfg::kAccumulators], State& read) {
     const bool elected = hopper::thread_in_warpgroup() == 0;
-
-    // Prologue: issue K tile 0 and leave it in flight.
-    pipe.consumer_wait(read);
-    hopper::wgmma_fence();
-    mma_k_tile(smem.stages[read.index], warpgroup, acc, /*accumulate=*/false);
-    hopper::wgmma_commit_group();
     State release = read;  // the stage whose MMA retires next
-    read.advance();
-
-    // Steady state: issue tile kt, then retire tile kt-1 and hand its stage back. The
-    // stage of tile kt is still being read by the tensor cores, so it is never released
-    // here: release trails read by exactly one stage.
-    for (int kt = 1; kt < k_tiles; ++kt) {
+    for (int kt = 0; kt < k_tiles; ++kt) {
       pipe.consumer_wait(read);
       hopper::wgmma_fence();
-      mma_k_tile(smem.stages[read.index], warpgroup, acc, /*accumulate=*/true);
+      mma_k_tile(smem.stages[read.index], warpgroup, acc, /*accumulate=*/kt > 0);
       hopper::wgmma_commit_group();
-      hopper::wgmma_wait_group<1>();
-      if (elected) pipe.consumer_release(release);
-      release.advance();
+      hopper::wgmma_wait_group<Cfg::kMmaInFlight>();
+      if (kt >= Cfg::kMmaInFlight) {
+        if (elected) pipe.consumer_release(release);
+        release.advance();
+      }
       read.advance();
     }
-
-    // Tail: retire the last MMA and release its stage (the producer's drain waits on it).
+    // Tail: retire what is still in flight and release its stages (the producer's drain
+    // waits on them).
     hopper::wgmma_wait_group<0>();
-    if (elected) pipe.consumer_release(release);
+    const int unreleased = k_tiles < Cfg::kMmaInFlight ? k_tiles : Cfg::kMmaInFlight;
+    for (int i = 0; i < unreleased; ++i) {
+      if (elected) pipe.consumer_release(release);
+      release.advance();
+    }
   }
 };
 

@@ -16,9 +16,10 @@ struct TensorMap3d {
   uint64_t row_stride;           // elements between consecutive outer indices
   uint64_t batch_stride;         // elements between consecutive matrices
   uint32_t box_inner, box_outer;
+  uint32_t element_bytes = 2;  // 2 (f16/bf16 operands and outputs) or 4 (f32 outputs)
 };
 
-// 16-bit elements, 128-byte swizzle, zero fill out of bounds.
+// 128-byte swizzle; loads zero-fill out of bounds, stores clip there.
 Status encode_tensor_map_3d(CUtensorMap* map, const TensorMap3d& desc);
 
 }  // namespace jax_hopper::hopper

@@ -38,3 +38,40 @@ __device__ __forceinline__ void tma_load_3d_multicast(void* smem_dst, const CUte
 }
 
 }  // namespace jax_hopper::hopper
+
+namespace jax_hopper::hopper {
+
+// Ordinary shared-memory stores -> visible to the async proxy (a TMA store that reads
+// them next). Each writing thread fences its own stores before the barrier that
+// hands the buffer to the thread issuing the store.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// 3-D tile store from shared memory; the hardware clips the parts of the box that lie
+// outside the tensor, so partial tiles need no masking. Tracked per issuing thread in
+// bulk async-groups.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* tmap, const void* smem_src, int32_t inner,
+                                             int32_t outer, int32_t batch) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(tmap)),
+               "r"(smem_addr(smem_src)), "r"(inner), "r"(outer), "r"(batch)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Until at most kPending of this thread's bulk groups still read their shared memory
+// (the buffer of an older group may then be overwritten).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+
+// Until at most kPending of this thread's bulk groups are incomplete (writes done).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+}  // namespace jax_hopper::hopper

@@ -1,6 +1,7 @@
 // Thread-role helpers: warpgroups are 4 consecutive warps (128 threads), the unit that
 // issues wgmma and the granularity of the kernel's producer/consumer split.
 #pragma once
+#include <cstdint>
 
 namespace jax_hopper::hopper {
 
@@ -10,5 +11,35 @@ constexpr int kWarpgroupSize = 128;
 __device__ __forceinline__ int warpgroup_index() { return threadIdx.x / kWarpgroupSize; }
 __device__ __forceinline__ int thread_in_warpgroup() { return threadIdx.x % kWarpgroupSize; }
 __device__ __forceinline__ int lane_index() { return threadIdx.x % kWarpSize; }
+
+// Barrier among `threads` threads of the CTA on hardware barrier `id` (0 is the one
+// __syncthreads uses), so one warpgroup can synchronise without stalling the others.
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Register reallocation between warpgroups (PTX setmaxnreg; every warp of the
+// warpgroup executes it). The producer gives registers back to the pool, the
+// consumers take them; kRegs is a multiple of 8 in [24, 256].
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg range");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg range");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// Stores four 8x8 b16 matrices; lane i supplies the shared address of row i % 8 of
+// matrix i / 8, and each thread's register q holds its mma-fragment pair of matrix q
+// (row lane / 4, columns 2 * (lane % 4) + {0, 1}) -- the wgmma accumulator layout.
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_row_addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_row_addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
 
 }  // namespace jax_hopper::hopper
