@@ -4,13 +4,20 @@
 ``jnp.dot`` and ``jnp.matmul``. For f16/bf16 operands they lower to the
 ``jax_hopper_gemm`` custom call on Hopper GPUs and to XLA's dot on every other platform
 (the fallback), so the same program runs anywhere; other dtypes are computed by jax.
+
+Which eligible products run our kernel is the dispatcher's call (``dispatch_path``
+says which and why): by default ("auto") a table of rules measured on the H200 sends
+each shape to the faster of our kernel and XLA's dot; ``dispatch("kernel")`` (scoped)
+or ``set_dispatch("kernel")`` always runs ours.
 """
 
 from jax_hopper import _ffi
 from jax_hopper._ffi import GEMM_TARGET, kernel_available
-from jax_hopper.ops import dot, dot_general, matmul
+from jax_hopper._dispatch import dispatch, set_dispatch
+from jax_hopper.ops import dispatch_path, dot, dot_general, matmul
 
 __version__ = "0.1.0"
-__all__ = ["GEMM_TARGET", "dot", "dot_general", "kernel_available", "matmul"]
+__all__ = ["GEMM_TARGET", "dispatch", "dispatch_path", "dot", "dot_general", "kernel_available", "matmul",
+           "set_dispatch"]
 
 _ffi.register()

@@ -28,6 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+import jax_hopper
 from jax_hopper._primitive import KERNELS, gemm
 
 L2_BYTES = 60 * 2**20  # H200
@@ -185,7 +186,12 @@ def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progr
     sets = make_inputs(a_shape, b_shape, k, dtype, n_sets)
     ta, tb = LAYOUT_FLAGS[layout]
     dims = dimension_numbers(batch, layout)
-    variants = [JaxVariant("jax_hopper", functools.partial(gemm, transpose_a=ta, transpose_b=tb))]
+    # The default call (the dispatcher picks our kernel or XLA's dot) and, when it
+    # picked XLA, our kernel forced, so every row shows what the kernel does.
+    path, rule = jax_hopper.dispatch_path(*sets[0], dims)
+    variants = [JaxVariant("jax_hopper", functools.partial(jax_hopper.dot_general, dimension_numbers=dims))]
+    if path != "kernel":
+        variants.append(JaxVariant("kernel", functools.partial(gemm, transpose_a=ta, transpose_b=tb)))
     if layout == "nn" and not batch:  # the seed's V5 is compiled for jnp.dot's layout
         variants += [JaxVariant(f"V5 s={s}", functools.partial(gemm, kernel="v5", stages=s)) for s in stages_list]
         if dtype_name == "f16":  # the default's ablations are compiled for this case only
@@ -238,6 +244,7 @@ def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progr
             "sustained_ms": sustained_med[v.name], "sustained_tflops": flops / sustained_med[v.name] / 1e9,
             "sustained_ratio_vs_jnp": sustained_med["jnp.dot"] / sustained_med[v.name],
             "rel_error": errors.get(v.name), "input_sets": n_sets,
+            "path": path if v.name == "jax_hopper" else None, "rule": rule if v.name == "jax_hopper" else None,
         })
     del sets, variant_sets
     return rows
@@ -250,14 +257,20 @@ def case_label(r) -> str:
 
 def print_table(rows, file=sys.stdout):
     head = (f"{'case (BxMxNxK layout)':>26} {'dtype':>5} {'variant':>16} {'kernel ms':>10} {'TF/s':>6} {'ratio':>6}"
-            f" {'sust. TF/s':>10} {'ratio':>6} {'rel err':>9}")
+            f" {'sust. TF/s':>10} {'ratio':>6} {'rel err':>9}  path")
     print(head, file=file)
     print("-" * len(head), file=file)
     for r in rows:
         err = f"{r['rel_error']:.2e}" if r["rel_error"] is not None else "-"
         print(f"{case_label(r):>26} {r['dtype']:>5} {r['variant']:>16} {r['kernel_ms']:>10.4f}"
               f" {r['kernel_tflops']:>6.0f} {r['kernel_ratio_vs_jnp']:>6.3f} {r['sustained_tflops']:>10.0f}"
-              f" {r['sustained_ratio_vs_jnp']:>6.3f} {err:>9}", file=file)
+              f" {r['sustained_ratio_vs_jnp']:>6.3f} {err:>9}  {_path_label(r)}", file=file)
+
+
+def _path_label(r) -> str:
+    if r.get("path"):
+        return f"{r['path']} ({r['rule']})"
+    return "kernel (forced)" if r["variant"] == "kernel" else ""
 
 
 def bench_tp_mlp(tokens, d_model, d_ff, dtype_name, n_devices, progress):
@@ -287,7 +300,8 @@ def bench_tp_mlp(tokens, d_model, d_ff, dtype_name, n_devices, progress):
         return jax.jit(lambda a, b, c: mm(jax.nn.gelu(mm(a, b)), c))
 
     variants = {"jax_hopper": block(matmul), "jnp.dot": block(jnp.matmul)}
-    outs = {name: f(x, w1, w2) for name, f in variants.items()}
+    with jax_hopper.dispatch("kernel"):  # traced here: our kernel on every shard, whatever the table says
+        outs = {name: f(x, w1, w2) for name, f in variants.items()}
     ref = outs["jnp.dot"].astype(jnp.float32)
     err = float(jnp.linalg.norm(outs["jax_hopper"].astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
 
@@ -338,6 +352,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
+    global KERNEL_SAMPLES, SUSTAINED_ROUNDS  # the protocol's sample counts, set from the command line
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="8192,4096", help="comma-separated N (cube) or MxNxK")
     p.add_argument("--dtype", default="f16", help="comma-separated: f16, bf16")
@@ -347,6 +362,8 @@ def main(argv=None):
                    "(2, 3, 4 are compiled for f16; 4 for bf16); empty for none")
     p.add_argument("--kernels", default="", help="comma-separated extra kernel kinds to time (f16, NN), e.g. the "
                    "default's ablations persistent_basic,persistent_tma,persistent_wait0")
+    p.add_argument("--samples", type=int, default=KERNEL_SAMPLES, help="kernel-time samples per variant (median)")
+    p.add_argument("--rounds", type=int, default=SUSTAINED_ROUNDS, help="sustained-throughput rounds (median)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.matmul column")
     p.add_argument("--sweep", action="store_true", help="the shapes users run (replaces --shapes; adds NT and TN "
                    "at 8192^3)")
@@ -367,6 +384,7 @@ def main(argv=None):
         cases.append((b, m, n, k, "nn"))
     dtypes = args.dtype.split(",")
     stages = [int(s) for s in args.stages.split(",") if s]
+    KERNEL_SAMPLES, SUSTAINED_ROUNDS = max(args.samples, 1), max(args.rounds, 1)
     kernels = [x for x in args.kernels.split(",") if x]
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:

@@ -4,8 +4,9 @@ Every call is first checked by jax itself (`jax.eval_shape` of the jax function 
 replaces), so bad inputs raise jax's own errors and the result shape and dtype are by
 definition jax's. Then:
   - two f16 or two bf16 operands (after jnp's type promotion), an f16/bf16 or f32
-    result, and no out_sharding: the GEMM primitive (our kernel on Hopper, XLA's dot
-    elsewhere);
+    result, and no out_sharding: eligible. The dispatcher (_dispatch.py) then picks
+    the GEMM primitive (our kernel on Hopper, XLA's dot elsewhere) or XLA's own dot,
+    by a table of measured rules;
   - anything else: the jax function itself, unchanged.
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 from jax import lax
 
 from jax_hopper import _autodiff, _batching  # noqa: F401  (register the primitive's rules)
+from jax_hopper import _dispatch
 from jax_hopper._dimension_numbers import plan_dot_general
 from jax_hopper._primitive import KERNEL_DTYPES, gemm
 
@@ -58,33 +60,57 @@ def _plain_precision(precision) -> bool:
     return isinstance(precision, tuple) and all(isinstance(p, (str, lax.Precision)) for p in precision)
 
 
-def _is_array(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray))
+def _is_array(x, abstract_ok=False) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray)) or (abstract_ok and isinstance(x, jax.ShapeDtypeStruct))
 
 
-def _kernel_eligible(lhs, rhs, out_dtype, precision) -> bool:
-    if not (_is_array(lhs) and _is_array(rhs)):
+def _kernel_eligible(lhs, rhs, out_dtype, precision, abstract_ok=False) -> bool:
+    if not (_is_array(lhs, abstract_ok) and _is_array(rhs, abstract_ok)):
         return False
     same_kernel_type = lhs.dtype == rhs.dtype and lhs.dtype in KERNEL_DTYPES
     return same_kernel_type and out_dtype in (lhs.dtype, F32) and _plain_precision(precision)
 
 
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None):
-    """``lax.dot_general`` on the Hopper kernel; same signature and semantics."""
+def _planned(name, lhs, rhs, dimension_numbers, precision, preferred_element_type, abstract_ok=False):
+    """(jax's function, its result type, the kernel plan or None when not eligible)."""
     fn = functools.partial(lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
                            preferred_element_type=preferred_element_type)
+    out = _check(name, fn, lhs, rhs)
+    if not _kernel_eligible(lhs, rhs, out.dtype, precision, abstract_ok):
+        return fn, out, None
+    return fn, out, plan_dot_general(np.shape(lhs), np.shape(rhs), dimension_numbers)
+
+
+def _problem(plan, lhs, out):
+    return _dispatch.problem_of(plan.lhs_shape, plan.rhs_shape, lhs.dtype, out.dtype, plan.transpose_a,
+                                plan.transpose_b)
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None):
+    """``lax.dot_general`` on the Hopper kernel; same signature and semantics."""
     if out_sharding is not None:
-        return fn(lhs, rhs, out_sharding=out_sharding)
-    out = _check("dot_general", fn, lhs, rhs)
-    if not _kernel_eligible(lhs, rhs, out.dtype, precision):
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                               out_sharding=out_sharding)
+    fn, out, plan = _planned("dot_general", lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    if plan is None or _dispatch.choose(_problem(plan, lhs, out))[0] == "xla":
         return fn(lhs, rhs)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    plan = plan_dot_general(lhs.shape, rhs.shape, dimension_numbers)
     a = lhs if plan.lhs_perm is None else jnp.transpose(lhs, plan.lhs_perm)
     b = rhs if plan.rhs_perm is None else jnp.transpose(rhs, plan.rhs_perm)
     c = gemm(a.reshape(plan.lhs_shape), b.reshape(plan.rhs_shape), transpose_a=plan.transpose_a,
              transpose_b=plan.transpose_b, out_dtype=out.dtype)
     return c.reshape(plan.out_shape)
+
+
+def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None) -> tuple[str, str]:
+    """Which path ``dot_general`` takes for these operands (arrays or ShapeDtypeStructs)
+    under the current policy: ("kernel" | "xla", the dispatcher rule), or ("jax", why)
+    when the product is not eligible."""
+    _, out, plan = _planned("dot_general", lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                            abstract_ok=True)
+    if plan is None:
+        return "jax", "not eligible (dtypes, precision or operand types)"
+    return _dispatch.choose(_problem(plan, lhs, out))
 
 
 def _promote(a, b):

@@ -32,7 +32,9 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   bash "$REPO/scripts/sanitize.sh" "$LOG" || rc=1
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  JAX_HOPPER_REQUIRE_GPU=1 timeout "${TEST_TIMEOUT:-900}" python3 -m pytest ${TESTS:-"$REPO/tests"} -q -ra ${PYTEST_ARGS:-} 2>&1 |
+  tests=()  # TESTS paths are relative to the repository (this script runs from /tmp)
+  for t in ${TESTS:-tests}; do tests+=("$REPO/$t"); done
+  JAX_HOPPER_REQUIRE_GPU=1 timeout "${TEST_TIMEOUT:-900}" python3 -m pytest "${tests[@]}" -q -ra ${PYTEST_ARGS:-} 2>&1 |
     tee "$LOG/tests.log" | grep -v -E "^\.|PASSED" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi

@@ -19,6 +19,10 @@ import pytest
 _REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if pathlib.Path(p or os.curdir).resolve() != _REPO_ROOT]
 
+# The tests exercise our kernel, so they force its path past the dispatcher (also in
+# the subprocesses some tests start); the dispatcher's own tests opt back into "auto".
+os.environ["JAX_HOPPER_DISPATCH"] = "kernel"
+
 import jax  # noqa: E402
 
 # Eight CPU devices for the sharding tests (must precede backend initialisation; it

@@ -1,0 +1,135 @@
+"""Which path computes an eligible product: our kernel, or XLA's own dot (cuBLASLt).
+
+The decision is made at trace time from the static problem, by a table of rules
+measured on the H200 (BENCHMARKS.md, "Dispatcher"): the first rule whose condition
+holds names the path. A rule exists only where a measurement backs it; the
+catch-all sends a product to XLA, because on shapes our kernel has not been shown to
+win, the safe answer is the one that never loses.
+
+The policy picks how the table is used:
+  "auto"    follow the table (the default);
+  "kernel"  always our kernel where it applies (tests, benchmarks, experiments);
+  "xla"     never our kernel.
+``jax_hopper.set_dispatch(policy)`` sets it for the process (the environment variable
+``JAX_HOPPER_DISPATCH`` gives the starting value); ``with jax_hopper.dispatch(policy):``
+overrides it for a scope (per thread / context). It is read while jax traces: a
+function that ``jax.jit`` has already traced keeps the path it was traced with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+POLICIES = ("auto", "kernel", "xla")
+_ENV = "JAX_HOPPER_DISPATCH"
+TMA_ROW_ALIGN_BYTES = 16  # TMA and cuBLASLt's fast kernels want 16-byte row strides
+
+
+def _checked(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"dispatch policy must be one of {POLICIES}, got {policy!r}")
+    return policy
+
+
+_process_policy = _checked(os.environ.get(_ENV, "auto"))
+_scoped_policy: contextvars.ContextVar[str | None] = contextvars.ContextVar("jax_hopper_dispatch", default=None)
+
+
+def current_policy() -> str:
+    scoped = _scoped_policy.get()
+    return _process_policy if scoped is None else scoped
+
+
+def set_dispatch(policy: str) -> None:
+    """Sets the dispatch policy ("auto", "kernel" or "xla") for the whole process."""
+    global _process_policy
+    _process_policy = _checked(policy)
+
+
+@contextlib.contextmanager
+def dispatch(policy: str):
+    """``with jax_hopper.dispatch("kernel"): ...`` -- the policy for this scope only."""
+    token = _scoped_policy.set(_checked(policy))
+    try:
+        yield
+    finally:
+        _scoped_policy.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A product as the kernel would run it (after folding and layout planning)."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    itemsize: int  # of A and B
+    out_itemsize: int
+    transpose_a: bool
+    transpose_b: bool
+
+    @property
+    def operand_rows(self) -> tuple[int, int]:
+        """Stored row lengths (elements) of A and B."""
+        return (self.m if self.transpose_a else self.k, self.k if self.transpose_b else self.n)
+
+    @property
+    def rows_aligned(self) -> bool:
+        a_row, b_row = self.operand_rows
+        return (a_row * self.itemsize % TMA_ROW_ALIGN_BYTES == 0 and b_row * self.itemsize % TMA_ROW_ALIGN_BYTES == 0
+                and self.n * self.out_itemsize % TMA_ROW_ALIGN_BYTES == 0)
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * max(self.batch, 1) * self.m * self.n * self.k
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    name: str
+    applies: Callable[[Problem], bool]
+    path: str  # "kernel" or "xla"
+    evidence: str  # what was measured (BENCHMARKS.md has the tables)
+
+
+# Products below this size are dominated by launch and padding costs; no measurement
+# shows our kernel ahead there (1024^3: 0.40x), so unaligned small products stay on XLA.
+MIN_UNALIGNED_KERNEL_FLOPS = 2.0 * 2048**3
+
+RULES: tuple[Rule, ...] = (
+    Rule("unaligned-rows", lambda p: not p.rows_aligned and p.flops >= MIN_UNALIGNED_KERNEL_FLOPS, "kernel",
+         "rows not 16-byte aligned: cuBLASLt falls to its slow kernels (8191^3 f16: 163 TF/s) while ours "
+         "pads the operands and runs at 3.7x"),
+    Rule("default", lambda p: True, "xla",
+         "aligned shapes: our fastest kernel reaches 0.95-0.96x of cuBLASLt at 4096^3-8192^3 and less on "
+         "small, decode-like and short-K shapes"),
+)
+
+
+def choose(problem: Problem, policy: str | None = None) -> tuple[str, str]:
+    """(path, rule name) for one product under `policy` (default: the current one)."""
+    policy = current_policy() if policy is None else policy
+    if policy != "auto":
+        return policy, f"policy={policy}"
+    for rule in RULES:
+        if rule.applies(problem):
+            return rule.path, rule.name
+    raise AssertionError("the rule table ends with a catch-all")
+
+
+def problem_of(a_shape, b_shape, dtype, out_dtype, transpose_a: bool, transpose_b: bool) -> Problem:
+    """The Problem of the primitive's operands ([B,] stored A, [B,] stored B)."""
+    batch = a_shape[0] if len(a_shape) == 3 else 0
+    a2, b2 = a_shape[-2:], b_shape[-2:]
+    m = a2[1] if transpose_a else a2[0]
+    k = a2[0] if transpose_a else a2[1]
+    n = b2[0] if transpose_b else b2[1]
+    return Problem(batch, int(m), int(n), int(k), np.dtype(dtype).itemsize, np.dtype(out_dtype).itemsize,
+                   bool(transpose_a), bool(transpose_b))
