@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax._src.dispatch
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
@@ -137,6 +138,13 @@ gemm_p.def_abstract_eval(_abstract_eval)
 # jnp.dot's would be (see _sharding.py); unsharded ones lower to the local product.
 mlir.register_lowering(gemm_p, sharded_lowering(_default_impl))
 mlir.register_lowering(gemm_p, sharded_lowering(_cuda_impl), platform="cuda")
+# custom_partitioning needs the device assignment while lowering, and jax (0.11)
+# lowers multi-device programs without one unless a primitive in the jaxpr asks for
+# it; ours binds custom_partitioning only inside its lowering rule, so it must ask,
+# as jax's own cuDNN primitives built the same way do.
+_devices_needed = getattr(jax._src.dispatch, "prim_requires_devices_during_lowering", None)
+if _devices_needed is not None:
+    _devices_needed.add(gemm_p)
 
 
 def _varying_axes(x) -> frozenset:

@@ -64,7 +64,10 @@ def _plan(a_sharding, b_sharding, ndim, transpose_a, transpose_b):
     batch = take(sa[ab], sb[bb]) if ab is not None else ()
     m = take(sa[am])
     n = take(sb[bn])
-    k = take(sa[ak], sb[bk])
+    # K is split only where both operands have it split alike, as XLA's dot does; a K
+    # sharded on one side only is gathered (jnp.dot all-gathers it rather than adding an
+    # all-reduce of partial products).
+    k = take(sa[ak]) if sa[ak] == sb[bk] else ()
     return batch, m, n, k
 
 

@@ -40,7 +40,7 @@ DTYPES = {"f16": jnp.float16, "bf16": jnp.bfloat16}
 # The shapes users run (issue 4's sweep): squares, LLM training shapes, decode shapes
 # (small M against 8192x8192 weights), odd sizes (8191: rows TMA cannot describe).
 SWEEP_SHAPES = ("1024,2048,4096,6144,8192,16384,4096x14336x4096,4096x4096x14336,16384x8192x8192,"
-                "8192x8192x1024,16x8192x8192,64x8192x8192,128x8192x8192,256x8192x8192,1000,3000x5000x7000,8191")
+                "8192x8192x1024,16x8192x8192,64x8192x8192,128x8192x8192,256x8192x8192,1000,3000x5000x7000,8191,2047,4095")
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
