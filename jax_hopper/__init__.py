@@ -12,8 +12,8 @@ or ``set_dispatch("kernel")`` always runs ours.
 """
 
 from jax_hopper import _ffi
-from jax_hopper._ffi import GEMM_TARGET, kernel_available
 from jax_hopper._dispatch import dispatch, set_dispatch
+from jax_hopper._ffi import GEMM_TARGET, kernel_available
 from jax_hopper.ops import dispatch_path, dot, dot_general, matmul
 
 __version__ = "0.1.0"

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_hopper import _autodiff, _batching  # noqa: F401  (register the primitive's rules)
-from jax_hopper import _dispatch
+from jax_hopper import _autodiff, _batching, _dispatch  # noqa: F401  (register the primitive's rules)
 from jax_hopper._dimension_numbers import plan_dot_general
 from jax_hopper._primitive import KERNEL_DTYPES, gemm
 
