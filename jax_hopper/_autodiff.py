@@ -1,4 +1,4 @@
-"""Forward- and reverse-mode rules for the GEMM primitive.
+"""Forward- and reverse-mode rules for the GEMM primitive and the fused dense primitive.
 
 C = op(A) op(B) is bilinear, so its JVP is gemm(dA, B) + gemm(A, dB) and its transposes
 are two more products. Each is expressed as another gemm_p with transpose flags chosen
@@ -16,8 +16,12 @@ multiplies 16-bit inputs.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 from jax.interpreters import ad
 
+from jax_hopper._fallback import ACTIVATION_FNS
+from jax_hopper._fused import dense_p
 from jax_hopper._primitive import gemm, gemm_p
 
 
@@ -44,3 +48,37 @@ def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, sta
 
 
 ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)
+
+
+# ---- the fused dense primitive ------------------------------------------------------
+# y = act(z) + r with z = x w + b, all in f32 before one rounding. Its JVP is
+#   dy = act'(z) (dx w + x dw + db) + dr,
+# built from gemm_p (so the forward and backward products run our kernel: reverse mode
+# transposes these gemm_p's into the NT/TN products above) and jnp elementwise ops.
+# Under differentiation the forward is therefore a plain product with an f32 output
+# (z, saved for act') followed by XLA's elementwise pass, not the fused kernel: fusing
+# act' into the epilogue of the product that consumes it is not done yet.
+def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
+    x, w, bias, residual = primals
+    dx, dw, dbias, dresidual = tangents
+    f32 = jnp.float32
+    z = gemm(x, w, out_dtype=f32)
+    if has_bias:
+        z = z + bias.astype(f32)
+    dz = None
+    for tangent, product in ((dx, lambda t: gemm(t, w, out_dtype=f32)), (dw, lambda t: gemm(x, t, out_dtype=f32))):
+        if not isinstance(tangent, ad.Zero):
+            dz = product(tangent) if dz is None else dz + product(tangent)
+    if has_bias and not isinstance(dbias, ad.Zero):
+        dz = dbias.astype(f32) if dz is None else dz + dbias.astype(f32)
+    if dz is None:
+        dz = jnp.zeros_like(z)
+    y, dy = jax.jvp(ACTIVATION_FNS[activation], (z,), (dz,))
+    if has_residual:
+        y = y + residual.astype(f32)
+        if not isinstance(dresidual, ad.Zero):
+            dy = dy + dresidual.astype(f32)
+    return y.astype(x.dtype), dy.astype(x.dtype)
+
+
+ad.primitive_jvps[dense_p] = _dense_jvp

@@ -8,9 +8,12 @@ broadcast), merging with a batch dimension the primitive already had.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.interpreters import batching
 
+from jax_hopper._fallback import dense_reference
+from jax_hopper._fused import dense_p
 from jax_hopper._primitive import gemm_p
 
 NOT_MAPPED = None
@@ -47,3 +50,27 @@ def _batch_rule(args, dims, **params):
 
 
 batching.primitive_batchers[gemm_p] = _batch_rule
+
+
+def _dense_batch_rule(args, dims, *, activation, has_bias, has_residual):
+    """vmap over the fused dense primitive: a vmapped x (and residual) against shared
+    weights and bias folds into M -- one fused launch. Anything else (per-example
+    weights) is computed as the reference arithmetic, vmapped by jax."""
+    x, w, bias, residual = args
+    dx, dw, dbias, dres = dims
+    params = dict(activation=activation, has_bias=has_bias, has_residual=has_residual)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
+    if dw is NOT_MAPPED and dbias is NOT_MAPPED:
+        x = _to_front(x, dx, size)
+        v, m, k = x.shape
+        if has_residual:
+            residual = _to_front(residual, dres, size).reshape(v * m, -1)
+        out = dense_p.bind(x.reshape(v * m, k), w, bias, residual, **params)
+        return out.reshape(v, m, out.shape[-1]), 0
+    def reference(x, w, b, r):
+        return dense_reference(x, w, b if has_bias else None, r if has_residual else None, activation=activation)
+
+    return jax.vmap(reference)(*[_to_front(a, d, size) for a, d in zip(args, dims)]), 0
+
+
+batching.primitive_batchers[dense_p] = _dense_batch_rule

@@ -7,7 +7,18 @@ runs anywhere.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 from jax import lax
+
+# The fused epilogue's activations, by name; each takes and returns f32.
+ACTIVATION_FNS = {
+    None: lambda z: z,
+    "relu": jax.nn.relu,
+    "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
+    "gelu_exact": lambda z: jax.nn.gelu(z, approximate=False),
+    "silu": jax.nn.silu,
+}
 
 
 def gemm_reference(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype):
@@ -18,3 +29,15 @@ def gemm_reference(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype):
     batch = tuple(range(nb))
     preferred = None if out_dtype == a.dtype else out_dtype
     return lax.dot_general(a, b, (((a_contract,), (b_contract,)), (batch, batch)), preferred_element_type=preferred)
+
+
+def dense_reference(x, w, bias, residual, *, activation):
+    """act(x @ w + bias) + residual with the fused kernel's arithmetic: f32 products and
+    sums, the activation and residual add in f32, one rounding to x's type at the end."""
+    z = lax.dot(x, w, preferred_element_type=jnp.float32)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    y = ACTIVATION_FNS[activation](z)
+    if residual is not None:
+        y = y + residual.astype(jnp.float32)
+    return y.astype(x.dtype)

@@ -12,6 +12,7 @@ import warnings
 import jax
 
 GEMM_TARGET = "jax_hopper_gemm"
+GEMM_FUSED_TARGET = "jax_hopper_gemm_fused"  # C = act(A @ B + bias) + residual
 
 try:
     from jax_hopper import _jax_hopper  # the nanobind extension built by CMake

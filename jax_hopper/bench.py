@@ -5,6 +5,7 @@
     python -m jax_hopper.bench --dtype bf16 --shapes 4096x14336x4096 --json out.json
     python -m jax_hopper.bench --shapes 8192 --layouts nn,nt,tn --batched 8x2048x2048x2048
     python -m jax_hopper.bench --sweep --dtype f16,bf16 --json sweep.json --plot sweep.png
+    python -m jax_hopper.bench --shapes= --mlp 8192x4096x16384,16384x8192x28672   # fused dense blocks
 
 Protocol (../shared/GUIDE.md section 5): the seed's data (standard normal scaled by
 K^-1/4, so C has unit variance); enough distinct input sets that they do not fit in L2,
@@ -326,6 +327,64 @@ def bench_tp_mlp(tokens, d_model, d_ff, dtype_name, n_devices, progress):
     } for name in variants]
 
 
+def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
+    """A transformer MLP block, y = gelu(x W1 + b1) W2 + b2 + x, as jax_hopper.dense
+    (bias, GELU and residual fused into the kernel; our kernel forced) against the same
+    block in plain jnp (XLA fuses what it can into cuBLASLt's epilogues). Forward alone
+    and a training step (gradients of all parameters); kernel time (all kernels of the
+    call) and sustained."""
+    dtype = DTYPES[dtype_name]
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (tokens, d_model), jnp.float32).astype(dtype)
+    params = ((jax.random.normal(keys[1], (d_model, d_ff), jnp.float32) / d_model**0.5).astype(dtype),
+              (0.1 * jax.random.normal(keys[2], (d_ff,), jnp.float32)).astype(dtype),
+              (jax.random.normal(keys[3], (d_ff, d_model), jnp.float32) / d_ff**0.5).astype(dtype),
+              (0.1 * jax.random.normal(keys[4], (d_model,), jnp.float32)).astype(dtype))
+
+    def ours(x, p):
+        with jax_hopper.dispatch("kernel"):  # read while jit traces
+            h = jax_hopper.dense(x, p[0], p[1], activation="gelu_tanh")
+            return jax_hopper.dense(h, p[2], p[3], residual=x)
+
+    def plain(x, p):
+        return jax.nn.gelu(x @ p[0] + p[1]) @ p[2] + p[3] + x
+
+    def train(block):
+        return jax.grad(lambda x, p: jnp.mean(block(x, p).astype(jnp.float32) ** 2), argnums=1)
+
+    steps = {"forward": (ours, plain), "train": (train(ours), train(plain))}
+    rows = []
+    for step, (f_ours, f_plain) in steps.items():
+        variants = [JaxVariant("jax_hopper", f_ours), JaxVariant("jnp", f_plain)]
+        out_ours, out_ref = (jax.tree.leaves(v.fn(x, params)) for v in variants)
+        err = max(float(jnp.linalg.norm(o.astype(jnp.float32) - r.astype(jnp.float32)) /
+                        jnp.linalg.norm(r.astype(jnp.float32))) for o, r in zip(out_ours, out_ref))
+        kernel = {v.name: [] for v in variants}
+        for v in variants:
+            v.kernel_ms(x, params)
+        for _ in range(KERNEL_SAMPLES):
+            for v in variants:
+                kernel[v.name].append(v.kernel_ms(x, params))
+            progress()
+        kernel_med = {n: statistics.median(ts) for n, ts in kernel.items()}
+        sustained = {v.name: statistics.median(sustained_ms(v, [(x, params)], kernel_med[v.name])
+                                               for _ in range(SUSTAINED_ROUNDS)) for v in variants}
+        # Two products forward; training adds dW2, dh and dW1 (no gradient for x).
+        flops = 2.0 * tokens * d_model * d_ff * (5 if step == "train" else 2)
+        for v in variants:
+            rows.append({
+                "batch": 0, "m": tokens, "n": d_ff, "k": d_model, "layout": f"mlp {step}", "dtype": dtype_name,
+                "variant": v.name, "clock": v.clock, "kernel_ms": kernel_med[v.name],
+                "kernel_tflops": flops / kernel_med[v.name] / 1e9,
+                "kernel_ratio_vs_jnp": kernel_med["jnp"] / kernel_med[v.name],
+                "kernel_spread_ms": [min(kernel[v.name]), max(kernel[v.name])],
+                "sustained_ms": sustained[v.name], "sustained_tflops": flops / sustained[v.name] / 1e9,
+                "sustained_ratio_vs_jnp": sustained["jnp"] / sustained[v.name],
+                "rel_error": err if v.name == "jax_hopper" else None, "input_sets": 1,
+            })
+    return rows
+
+
 def plot(rows, path):
     """TF/s (kernel time) per case and variant, like the seed's plot; needs matplotlib."""
     try:
@@ -370,6 +429,8 @@ def main(argv=None):
     p.add_argument("--tp-mlp", default="", help="comma-separated TOKENSxDMODELxDFF tensor-parallel MLP blocks "
                    "(column- then row-parallel) over --devices devices, ours vs jnp, sustained time")
     p.add_argument("--devices", type=int, default=2, help="devices for --tp-mlp")
+    p.add_argument("--mlp", default="", help="comma-separated TOKENSxDMODELxDFF MLP blocks (dense + bias + GELU + "
+                   "dense + bias + residual), fused jax_hopper.dense vs plain jnp, forward and training step")
     p.add_argument("--json", help="write all rows to this JSON file")
     p.add_argument("--plot", help="write a PNG bar chart of TF/s per case to this file")
     args = p.parse_args(argv)
@@ -409,6 +470,14 @@ def main(argv=None):
         print_table(shape_rows)
         sys.stdout.flush()
         rows.extend(shape_rows)
+
+    for text in filter(None, args.mlp.split(",")):
+        tokens, d_model, d_ff = (int(x) for x in text.lower().split("x"))
+        for d in dtypes:
+            mlp_rows = bench_mlp(tokens, d_model, d_ff, d, lambda: print(".", end="", file=sys.stderr, flush=True))
+            print(file=sys.stderr)
+            print_table(mlp_rows)
+            rows.extend(mlp_rows)
 
     for idx, text in enumerate(filter(None, args.tp_mlp.split(","))):
         tokens, d_model, d_ff = (int(x) for x in text.lower().split("x"))

@@ -161,3 +161,48 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
     if b_vec:
         out = jnp.squeeze(out, axis=-1)
     return out
+
+
+def dense(x, w, bias=None, *, activation=None, residual=None):
+    """A dense layer, ``act(x @ w + bias) + residual``, with the bias add, the activation
+    and the residual add fused into our kernel's epilogue.
+
+    x [..., K], w [K, N], bias [N] or None, residual [..., N] or None; activation None,
+    "relu", "gelu_tanh" (jax.nn.gelu's default), "gelu_exact" or "silu". Arithmetic is
+    the kernel's everywhere: f32 products and sums, bias, activation and residual in f32,
+    one rounding to the result type (jnp's promotion of all operands). Eligible when all
+    operands share one 16-bit type; then the dispatcher picks the fused kernel or the
+    same arithmetic through XLA (policy "kernel": always the kernel). Differentiable (the
+    products of the backward pass run our kernel) and vmappable.
+    """
+    from jax_hopper._fallback import dense_reference
+    from jax_hopper._fused import ACTIVATIONS, fused_dense
+
+    operands = {"x": x, "w": w, "bias": bias, "residual": residual}
+    for name, v in operands.items():
+        if v is not None and not _is_array(v):
+            raise TypeError(f"jax_hopper.dense: {name} must be a jax or numpy array, got {type(v).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"jax_hopper.dense: activation must be None or one of "
+                         f"{sorted(a for a in ACTIVATIONS if a)}, got {activation!r}")
+    described = ", ".join(f"{n} {_describe(v)}" for n, v in operands.items() if v is not None)
+    if np.ndim(x) < 1 or np.ndim(w) != 2 or np.shape(x)[-1] != np.shape(w)[0]:
+        raise ValueError(f"jax_hopper.dense: needs x [..., K] and w [K, N]; got {described}")
+    n = np.shape(w)[1]
+    if bias is not None and np.shape(bias) != (n,):
+        raise ValueError(f"jax_hopper.dense: bias must be [N] = [{n}]; got {described}")
+    out_shape = tuple(np.shape(x)[:-1]) + (n,)
+    if residual is not None and tuple(np.shape(residual)) != out_shape:
+        raise ValueError(f"jax_hopper.dense: residual must be {list(out_shape)}; got {described}")
+    dtype = jnp.result_type(*(v for v in operands.values() if v is not None))
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"jax_hopper.dense: floating-point operands only; got {described}")
+    x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+    bias = None if bias is None else jnp.asarray(bias, dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    r2 = None if residual is None else jnp.asarray(residual, dtype).reshape(-1, n)
+    m, k = x2.shape
+    problem = _dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)
+    use_kernel = (jnp.dtype(dtype) in KERNEL_DTYPES and min(m, n, k) > 0 and _dispatch.choose(problem)[0] == "kernel")
+    fn = fused_dense if use_kernel else dense_reference
+    return fn(x2, w, bias, r2, activation=activation).reshape(out_shape)

@@ -28,3 +28,18 @@ for kernel, dtype, batch, m, n, k, ta, tb, out_dtype in CASES:
     out = jax.jit(lambda x, y: gemm(x, y, transpose_a=ta, transpose_b=tb, out_dtype=out_dtype, kernel=kernel))(a, b)
     out.block_until_ready()
     print(kernel, dtype.__name__, lead, m, n, k, ta, tb, out.dtype, "done", flush=True)
+
+# The fused epilogue (bias, activation, residual) on partial tiles, with the register-
+# store fallback (N = 101) and without.
+import jax_hopper  # noqa: E402
+
+for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_tanh"), (jnp.bfloat16, (100, 101, 103), "silu")]:
+    ka, kb, kc, kd = jax.random.split(jax.random.key(m + n), 4)
+    x = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
+    w = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
+    bias = jax.random.normal(kc, (n,), jnp.float32).astype(dtype)
+    res = jax.random.normal(kd, (m, n), jnp.float32).astype(dtype)
+    with jax_hopper.dispatch("kernel"):
+        out = jax.jit(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation=act, residual=a[3]))(x, w, bias, res)
+    out.block_until_ready()
+    print("dense", dtype.__name__, m, n, k, act, "done", flush=True)

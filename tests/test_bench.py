@@ -14,10 +14,11 @@ def test_bench_writes_rows_for_every_case_and_variant(tmp_path):
     out = tmp_path / "bench.json"
     tp = len(jax.devices()) >= 2  # the tensor-parallel block needs two devices of the default platform
     bench.main(["--shapes", "64,32x48x40", "--layouts", "nn,nt", "--batched", "2x32x16x24", "--no-torch",
-                "--json", str(out)] + (["--tp-mlp", "32x16x64"] if tp else []))
+                "--mlp", "48x32x64", "--json", str(out)] + (["--tp-mlp", "32x16x64"] if tp else []))
     rows = json.loads(out.read_text())["rows"]
     cases = {(r["batch"], r["m"], r["n"], r["k"], r["layout"]) for r in rows}
-    assert len(cases) == 5 + tp  # 2 shapes x 2 layouts, 1 batched (, 1 tensor-parallel block)
+    # 2 shapes x 2 layouts, 1 batched, the MLP block forward and training step (, 1 tensor-parallel block)
+    assert len(cases) == 7 + tp
     assert {r["variant"] for r in rows} >= {"jax_hopper", "jnp.dot", "V5 s=4"}
     assert all(r["kernel_ms"] > 0 and r["sustained_ms"] > 0 for r in rows)
     assert all(r["rel_error"] < 1e-2 for r in rows if r["rel_error"] is not None)

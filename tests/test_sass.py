@@ -74,6 +74,7 @@ KIND_EXTRAS = {
     2: [MULTICAST],  # persistent_basic
     3: [MULTICAST, *TMA_STORE],  # persistent_tma
     4: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_wait0
+    5: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused (dense: bias, activation, residual)
 }
 WAIT_ONE = "WARPGROUP.DEPBAR.LE gsb0, 0x1"
 WAIT0_KIND = 4

@@ -15,7 +15,8 @@ namespace {
 
 // Values of the `kernel` attribute, by index (jax_hopper/_primitive.py: KERNELS).
 constexpr KernelKind kKernelKinds[] = {KernelKind::kV5, KernelKind::kPersistent, KernelKind::kPersistentBasic,
-                                       KernelKind::kPersistentTma, KernelKind::kPersistentWait0};
+                                       KernelKind::kPersistentTma, KernelKind::kPersistentWait0,
+                                       KernelKind::kPersistentFused};
 constexpr int32_t kNumKernelKinds = sizeof(kKernelKinds) / sizeof(kKernelKinds[0]);
 
 std::string shape_str(ffi::AnyBuffer::Dimensions d) {
@@ -42,8 +43,8 @@ ffi::Error to_ffi(const Status& st) {
 //  [N, K] with transpose_b). A stored row may be longer than its logical extent: the
 //  Python side pads rows to the 16-byte multiple TMA needs and those columns are not
 //  read. c is a's type, or f32.
-ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> c,
-                    int32_t transpose_a, int32_t transpose_b, int32_t kernel, int32_t stages) {
+ffi::Error decode(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer>& c, int32_t transpose_a,
+                  int32_t transpose_b, GemmArgs& args) {
   const auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
   const size_t rank = dc.size();
   const auto shapes = [&] {
@@ -59,7 +60,6 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
     return ffi::Error::InvalidArgument("jax_hopper_gemm: c must have a's type or be f32");
 
   const size_t r = rank - 2;  // index of the row dimension of each matrix
-  GemmArgs args;
   args.dtype = type == ffi::DataType::F16 ? ElementType::kF16 : ElementType::kBF16;
   args.c_f32 = c->element_type() == ffi::DataType::F32;
   args.major_a = transpose_a ? Major::kMN : Major::kK;
@@ -85,11 +85,56 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   args.a = a.untyped_data();
   args.b = b.untyped_data();
   args.c = c->untyped_data();
-  if (kernel < 0 || kernel >= kNumKernelKinds)
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> c,
+                    int32_t transpose_a, int32_t transpose_b, int32_t kernel, int32_t stages) {
+  GemmArgs args;
+  if (ffi::Error err = decode(a, b, c, transpose_a, transpose_b, args); err.failure()) return err;
+  if (kernel < 0 || kernel >= kNumKernelKinds || kKernelKinds[kernel] == KernelKind::kPersistentFused)
     return ffi::Error::InvalidArgument("jax_hopper_gemm: unknown kernel " + std::to_string(kernel));
   KernelChoice choice;
   choice.kind = kKernelKinds[kernel];
   choice.stages = stages;
+  return to_ffi(gemm(args, choice, stream));
+}
+
+// Values of the `activation` attribute (jax_hopper/_fused.py: ACTIVATIONS).
+constexpr Activation kActivations[] = {Activation::kNone, Activation::kRelu, Activation::kGeluTanh,
+                                       Activation::kGeluErf, Activation::kSilu};
+constexpr int32_t kNumActivations = sizeof(kActivations) / sizeof(kActivations[0]);
+
+// The fused product C = act(A * B + bias) + residual: the contract of GemmImpl in rank
+// 2 with an output of the operands' type, plus bias [N] and residual [M, N] of that type,
+// each passed as an empty array when absent.
+ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
+                         ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> c, int32_t transpose_a,
+                         int32_t transpose_b, int32_t activation) {
+  GemmArgs args;
+  if (ffi::Error err = decode(a, b, c, transpose_a, transpose_b, args); err.failure()) return err;
+  const auto type = a.element_type();
+  if (c->dimensions().size() != 2 || c->element_type() != type)
+    return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: c must be rank 2 of the operands' type");
+  const auto db = bias.dimensions(), dr = residual.dimensions();
+  if (bias.element_count() != 0) {
+    if (bias.element_type() != type || db.size() != 1 || db[0] != args.n)
+      return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: bias must be [N] of the operands' type, got " +
+                                         shape_str(db));
+    args.bias = bias.untyped_data();
+  }
+  if (residual.element_count() != 0) {
+    if (residual.element_type() != type || dr.size() != 2 || dr[0] != args.m || dr[1] != args.n)
+      return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: residual must be [M, N] of the operands' type, got " +
+                                         shape_str(dr));
+    args.residual = residual.untyped_data();
+    args.ld_residual = args.n;
+  }
+  if (activation < 0 || activation >= kNumActivations)
+    return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: unknown activation " + std::to_string(activation));
+  args.activation = kActivations[activation];
+  KernelChoice choice;
+  choice.kind = KernelKind::kPersistentFused;
   return to_ffi(gemm(args, choice, stream));
 }
 
@@ -106,3 +151,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemm, jax_hopper::GemmImpl,
                                   .Attr<int32_t>("transpose_b")
                                   .Attr<int32_t>("kernel")
                                   .Attr<int32_t>("stages"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFused, jax_hopper::GemmFusedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Arg<ffi::AnyBuffer>()  // bias ([N] or empty)
+                                  .Arg<ffi::AnyBuffer>()  // residual ([M, N] or empty)
+                                  .Ret<ffi::AnyBuffer>()  // c
+                                  .Attr<int32_t>("transpose_a")
+                                  .Attr<int32_t>("transpose_b")
+                                  .Attr<int32_t>("activation"));

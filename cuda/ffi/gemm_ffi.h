@@ -5,5 +5,11 @@
 // Operands: a, b (f16 or bf16, rank 2, or rank 3 with a leading batch dimension);
 // result: c [(batch,) M, N] of the same type or f32.
 // Attributes: transpose_a (A stored [K, M]), transpose_b (B stored [N, K]),
-// kernel (0: the seed's V5, 1: persistent clustered), stages.
+// kernel (index into KernelKind as gemm_ffi.cc lists it; not the fused kind), stages.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemm);
+
+// C = act(A * B + bias) + residual in one kernel (the fused epilogue). Operands: a, b
+// (rank 2), bias ([N] or empty), residual ([M, N] or empty), all of one 16-bit type;
+// result c [M, N] of that type. Attributes: transpose_a, transpose_b, activation
+// (0 none, 1 relu, 2 gelu tanh, 3 gelu erf, 4 silu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemmFused);

@@ -10,6 +10,7 @@ NB_MODULE(_jax_hopper, m) {
   m.def("registrations", []() {
     nb::dict targets;
     targets["jax_hopper_gemm"] = nb::capsule(reinterpret_cast<void*>(JaxHopperGemm));
+    targets["jax_hopper_gemm_fused"] = nb::capsule(reinterpret_cast<void*>(JaxHopperGemmFused));
     return targets;
   });
 }

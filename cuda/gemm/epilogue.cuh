@@ -12,6 +12,7 @@
 
 #include <cuda.h>
 
+#include "gemm/gemm.h"
 #include "hopper/tma.cuh"
 #include "hopper/warpgroup.cuh"
 
@@ -25,6 +26,11 @@ struct OutputParams {
   bool f32;            // C is f32; else the kernel's 16-bit element type
   bool paired_stores;  // ldc even and c aligned for two-element stores
   bool tma_store;      // C's tensor map is valid (aligned for TMA); else registers store
+  // Fused epilogue (FusedOps; kinds with Cfg::kFusedEpilogue only), operand-typed.
+  const void* bias;      // [n] or null
+  const void* residual;  // [m][ld_residual] or null
+  int64_t ld_residual;
+  Activation activation;
 };
 
 // Two adjacent columns as one store.
@@ -102,6 +108,79 @@ struct DirectStoreEpilogue {
       store_as<float>(acc, out, batch, row0, col0);
     } else {
       store_as<typename Cfg::Element>(acc, out, batch, row0, col0);
+    }
+  }
+};
+
+// The fused epilogue's arithmetic, on the f32 accumulator before any rounding:
+// acc = act(acc + bias[col]) + residual[row][col] (cuBLASLt's bias/activation epilogues
+// plus a residual add). One loop per activation, so the choice is not re-made per element.
+template <class Cfg>
+struct FusedOps {
+  using Element = typename Cfg::Element;
+  using Direct = DirectStoreEpilogue<Cfg>;
+
+  template <Activation kAct>
+  __device__ static float activate(float v) {
+    if constexpr (kAct == Activation::kRelu) {
+      return fmaxf(v, 0.0f);
+    } else if constexpr (kAct == Activation::kGeluTanh) {  // jax.nn.gelu(approximate=True)
+      constexpr float kSqrt2OverPi = 0.7978845608028654f;
+      constexpr float kCubic = 0.044715f;
+      return 0.5f * v * (1.0f + tanhf(kSqrt2OverPi * (v + kCubic * v * v * v)));
+    } else if constexpr (kAct == Activation::kGeluErf) {  // jax.nn.gelu(approximate=False)
+      constexpr float kInvSqrt2 = 0.7071067811865476f;
+      return 0.5f * v * (1.0f + erff(v * kInvSqrt2));
+    } else if constexpr (kAct == Activation::kSilu) {  // x * sigmoid(x)
+      return v / (1.0f + expf(-v));
+    } else {
+      return v;
+    }
+  }
+
+  // Same fragment walk as DirectStoreEpilogue: rows r, r + 8 and columns
+  // 8j + 2 (lane % 4) + {0, 1} of the warpgroup's 64-row block. Elements outside
+  // [m, n) are left alone (never stored) and their bias/residual never read.
+  template <Activation kAct>
+  __device__ static void apply_as(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0) {
+    const auto* bias = static_cast<const Element*>(out.bias);
+    const auto* residual = static_cast<const Element*>(out.residual);
+    const int t = hopper::thread_in_warpgroup();
+    const int warp = t / hopper::kWarpSize;
+    const int lane = t % hopper::kWarpSize;
+    const int r = row0 + warp * Direct::kRowsPerWarp + lane / 4;
+    const int c = col0 + 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < Direct::kColBlocks; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = c + j * Direct::kColsPerBlock + e;
+        const bool col_ok = col < out.n;
+        const float b = bias != nullptr && col_ok ? static_cast<float>(bias[col]) : 0.0f;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = r + half * Direct::kHalfRows;
+          float& v = acc[4 * j + 2 * half + e];
+          v = activate<kAct>(v + b);
+          if (residual != nullptr && col_ok && row < out.m)
+            v += static_cast<float>(residual[static_cast<int64_t>(row) * out.ld_residual + col]);
+        }
+      }
+    }
+  }
+
+  __device__ static void apply(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0) {
+    switch (out.activation) {
+      case Activation::kRelu:
+        return apply_as<Activation::kRelu>(acc, out, row0, col0);
+      case Activation::kGeluTanh:
+        return apply_as<Activation::kGeluTanh>(acc, out, row0, col0);
+      case Activation::kGeluErf:
+        return apply_as<Activation::kGeluErf>(acc, out, row0, col0);
+      case Activation::kSilu:
+        return apply_as<Activation::kSilu>(acc, out, row0, col0);
+      default:
+        return apply_as<Activation::kNone>(acc, out, row0, col0);
     }
   }
 };

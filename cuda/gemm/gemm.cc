@@ -93,6 +93,8 @@ const char* kind_name(KernelKind kind) {
       return "persistent_tma";
     case KernelKind::kPersistentWait0:
       return "persistent_wait0";
+    case KernelKind::kPersistentFused:
+      return "persistent_fused";
   }
   return "unknown";
 }
@@ -109,6 +111,15 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
   if (args.ldc < args.n) return Status::Invalid("C row length is shorter than N");
   if (args.batch > 1 && args.batch_stride_c < args.m * args.ldc) return Status::Invalid("C batch entries overlap");
   const size_t c_bytes = args.c_f32 ? sizeof(float) : 2;
+  const bool fused_kind = choice.kind == KernelKind::kPersistentFused;
+  if (args.fused() && !fused_kind) return Status::Invalid("bias, residual or activation need the fused kernel");
+  if (fused_kind) {
+    if (args.c_f32 || args.batch != 1)
+      return Status::Invalid("the fused kernel computes one product with an output of the operands' type");
+    if (args.k == 0) return Status::Invalid("the fused kernel needs K > 0 (its epilogue is not a zero fill)");
+    if (args.residual != nullptr && args.ld_residual < args.n)
+      return Status::Invalid("residual row length is shorter than N");
+  }
   if (args.k == 0) {  // empty sums: C = 0
     for (int64_t b = 0; b < args.batch; ++b) {
       char* c = static_cast<char*>(args.c) + b * args.batch_stride_c * c_bytes;

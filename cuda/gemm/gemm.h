@@ -10,6 +10,9 @@ namespace jax_hopper {
 
 enum class ElementType { kF16, kBF16 };
 
+// Elementwise function of the fused epilogue, applied in f32 to accumulator + bias.
+enum class Activation { kNone, kRelu, kGeluTanh, kGeluErf, kSilu };
+
 // Which dimension of a stored operand is contiguous. A is M x K and B is K x N
 // logically; jnp.dot's A [M, K] is K-major, its B [K, N] is MN-major.
 enum class Major { kK, kMN };
@@ -29,6 +32,14 @@ struct GemmArgs {
   bool c_f32 = false;                     // C in f32 (straight from the accumulator), else in dtype
   Major major_a = Major::kK;
   Major major_b = Major::kMN;
+  // Fused epilogue (KernelKind::kPersistentFused only): C = act(A*B + bias) + residual,
+  // computed on the f32 accumulator, rounded once. bias is [N], residual [M][ld_residual],
+  // both of the operands' type; either may be null.
+  const void* bias = nullptr;
+  const void* residual = nullptr;
+  int64_t ld_residual = 0;
+  Activation activation = Activation::kNone;
+  bool fused() const { return bias != nullptr || residual != nullptr || activation != Activation::kNone; }
 };
 
 // Which kernel. kV5 is the seed (one tile per CTA, producer warp, epilogue stored from
@@ -41,7 +52,8 @@ struct GemmArgs {
 //  kPersistent       + a producer warpgroup handing registers to the consumers
 //                      (setmaxnreg, 384 threads): the default
 //  kPersistentWait0  kPersistent with wait_group(0) instead of one wgmma group in flight
-enum class KernelKind { kV5, kPersistent, kPersistentBasic, kPersistentTma, kPersistentWait0 };
+//  kPersistentFused  kPersistent with the fused epilogue (bias, activation, residual)
+enum class KernelKind { kV5, kPersistent, kPersistentBasic, kPersistentTma, kPersistentWait0, kPersistentFused };
 
 // Compile-time kernel parameters that are selectable at run time (each choice is an
 // explicit instantiation listed in instances.def).

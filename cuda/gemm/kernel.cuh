@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Main::mma(pipe, smem, warpgroup, k_tiles, acc, read);
       const int row0 = tile.m_block * Cfg::kBlockM + warpgroup * Cfg::kWarpgroupM;
       const int col0 = tile.n_block * Cfg::kBlockN;
+      if constexpr (Cfg::kFusedEpilogue) FusedOps<Cfg>::apply(acc, out, row0, col0);
       if constexpr (Cfg::kTmaStoreEpilogue) {
         Epilogue::store(acc, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, tile.batch, row0, col0);
       } else {

@@ -1,0 +1,81 @@
+"""The fused dense primitive: C = act(A @ B + bias) + residual in one kernel launch.
+
+The bias add, the activation and the residual add run on the f32 accumulator in the
+kernel's epilogue (cuda/gemm/epilogue.cuh: FusedOps) before the single rounding to the
+16-bit output, so a dense layer's forward is one pass over memory instead of three.
+Rank 2 only (ops.dense folds leading dimensions into M), A [M, K] @ B [K, N], one
+16-bit type for everything. Its JVP (_autodiff.py) runs the products on the plain GEMM
+primitive; its batching rule is in _batching.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jax_hopper import _ffi
+from jax_hopper._fallback import ACTIVATION_FNS, dense_reference
+from jax_hopper._primitive import KERNEL_DTYPES, _local_gpus_are_hopper, _pad_for_tma
+
+# As the FFI handler numbers them (cuda/ffi/gemm_ffi.cc: kActivations).
+ACTIVATIONS = {None: 0, "relu": 1, "gelu_tanh": 2, "gelu_exact": 3, "silu": 4}
+assert set(ACTIVATIONS) == set(ACTIVATION_FNS)
+
+dense_p = Primitive("jax_hopper_dense")
+
+
+def _optional(x, has):
+    return x if has else None
+
+
+def _abstract_eval(x, w, bias, residual, *, activation, has_bias, has_residual):
+    del activation
+    m, k = x.shape
+    k_w, n = w.shape
+    expected = [("w", w, w.shape)] + [("bias", bias, (n,))] * has_bias + [("residual", residual, (m, n))] * has_residual
+    if k != k_w or any(v.shape != shape for _, v, shape in expected):
+        raise ValueError(f"jax_hopper_dense: inconsistent shapes x{list(x.shape)}, w{list(w.shape)}, "
+                         f"bias{list(bias.shape)}, residual{list(residual.shape)}")
+    if any(v.dtype != x.dtype for _, v, _ in expected) or x.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"jax_hopper_dense takes operands of one type, f16 or bf16; got x {x.dtype}, w {w.dtype}")
+    return x.update(shape=(m, n), dtype=x.dtype, weak_type=False)
+
+
+def _default_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
+    return dense_reference(x, w, _optional(bias, has_bias), _optional(residual, has_residual), activation=activation)
+
+
+def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
+    if not _ffi.register() or not _local_gpus_are_hopper():
+        return _default_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
+                             has_residual=has_residual)
+    m, n = x.shape[0], w.shape[1]
+    x, w = _pad_for_tma(x, w, False, False)
+    empty = jnp.zeros((0,), x.dtype)  # "absent" to the handler
+    call = jax.ffi.ffi_call(_ffi.GEMM_FUSED_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype))
+    return call(x, w, bias if has_bias else empty, residual if has_residual else empty,
+                transpose_a=np.int32(0), transpose_b=np.int32(0), activation=np.int32(ACTIVATIONS[activation]))
+
+
+def _eager_impl(*args, **params):
+    return jax.jit(lambda *a: dense_p.bind(*a, **params))(*args)
+
+
+dense_p.def_impl(_eager_impl)
+dense_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(dense_p, mlir.lower_fun(_default_impl, multiple_results=False))
+mlir.register_lowering(dense_p, mlir.lower_fun(_cuda_impl, multiple_results=False), platform="cuda")
+
+
+def fused_dense(x, w, bias=None, residual=None, *, activation=None):
+    """Binds the primitive for rank-2 x [M, K], w [K, N], bias [N], residual [M, N] of one
+    16-bit type (validated by ops.dense)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATIONS if a)} or None, "
+                         f"got {activation!r}")
+    placeholder = jnp.zeros((0,), x.dtype)
+    return dense_p.bind(x, w, placeholder if bias is None else bias, placeholder if residual is None else residual,
+                        activation=activation, has_bias=bias is not None, has_residual=residual is not None)

@@ -1,0 +1,179 @@
+"""jax_hopper.dense (bias, activation, residual fused into the epilogue): semantics,
+lowering, autodiff, vmap, flax layer. CPU tests; the kernel's own numerics are in
+test_dense_gpu.py.
+
+Reference: the unfused computation in f32 (f32 products and sums, f32 bias, activation
+and residual), rounded once. The op promises exactly that arithmetic, so its result may
+differ from the rounded reference only by the final rounding of a value that carries
+f32 summation-order noise: 1.5x the error of rounding the reference itself (the same
+rule as the core tests) covers it, while a wrong activation, a lost bias or residual,
+or a double rounding is far outside it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import relative_error, seed_normal
+
+import jax_hopper
+
+ACTIVATIONS = [None, "relu", "gelu_tanh", "gelu_exact", "silu"]
+F32_ACT = {
+    None: lambda z: z,
+    "relu": jax.nn.relu,
+    "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
+    "gelu_exact": lambda z: jax.nn.gelu(z, approximate=False),
+    "silu": lambda z: z * jax.nn.sigmoid(z),
+}
+ERROR_FACTOR = 1.5
+
+
+def _operands(x_shape, n, dtype, seed=0, bias=True, residual=True):
+    k = x_shape[-1]
+    kx, kw, kb, kr = jax.random.split(jax.random.key(seed), 4)
+    x = seed_normal(kx, x_shape, dtype, k)
+    w = seed_normal(kw, (k, n), dtype, k)
+    b = jax.random.normal(kb, (n,), jnp.float32).astype(dtype) if bias else None
+    r = jax.random.normal(kr, tuple(x_shape[:-1]) + (n,), jnp.float32).astype(dtype) if residual else None
+    return x, w, b, r
+
+
+def f32_reference(x, w, b, r, activation):
+    z = jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+    if b is not None:
+        z = z + b.astype(jnp.float32)
+    y = F32_ACT[activation](z)
+    return y if r is None else y + r.astype(jnp.float32)
+
+
+def assert_close_to_reference(out, x, w, b, r, activation):
+    ref = f32_reference(x, w, b, r, activation)
+    err, err_round = relative_error(out, ref), relative_error(ref.astype(out.dtype), ref)
+    assert err <= ERROR_FACTOR * err_round + 1e-6, f"{err:.3e} vs rounding alone {err_round:.3e}"
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("with_bias,with_residual", [(True, True), (True, False), (False, True), (False, False)])
+def test_value_is_the_fused_arithmetic(activation, dtype, with_bias, with_residual):
+    x, w, b, r = _operands((3, 40, 24), 72, dtype, bias=with_bias, residual=with_residual)
+    out = jax.jit(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation=activation, residual=a[3]))(x, w, b, r)
+    assert out.shape == (3, 40, 72) and out.dtype == dtype
+    assert_close_to_reference(out, x, w, b, r, activation)
+
+
+def _lowered(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_kernel_policy_lowers_to_one_fused_call():
+    x, w, b, r = _operands((256, 128), 512, jnp.float16)
+    with jax_hopper.dispatch("kernel"):
+        text = _lowered(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="gelu_tanh", residual=a[3]),
+                        x, w, b, r)
+    calls = re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
+    assert calls == ["jax_hopper_gemm_fused"], calls
+    assert "dot_general" not in text and "tanh" not in text  # bias, GELU and residual are in the kernel
+
+
+def test_auto_policy_on_aligned_shapes_is_xla():
+    x, w, b, r = _operands((256, 128), 512, jnp.float16)
+    with jax_hopper.dispatch("auto"):
+        text = _lowered(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="relu", residual=a[3]), x, w, b, r)
+    assert "custom_call @jax_hopper" not in text and "dot_general" in text
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gradients_match_the_reference_and_run_our_kernel(activation):
+    x, w, b, r = _operands((64, 48), 80, jnp.float16, seed=1)
+
+    def loss(f):
+        return lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
+
+    ours = loss(lambda x, w, b, r: jax_hopper.dense(x, w, b, activation=activation, residual=r))
+    ref = loss(lambda x, w, b, r: f32_reference(x, w, b, r, activation))
+    g_ours = jax.jit(jax.grad(ours, argnums=(0, 1, 2, 3)))(x, w, b, r)
+    g_ref = jax.grad(ref, argnums=(0, 1, 2, 3))(x, w, b, r)
+    for name, go, gr in zip("x w bias residual".split(), g_ours, g_ref):
+        assert go.dtype == jnp.float16, name
+        # 16-bit cotangents and operands in every backward product: a few f16 roundings.
+        assert relative_error(go, gr.astype(jnp.float32)) < 1e-2, name
+    text = _lowered(jax.grad(ours, argnums=(0, 1)), x, w, b, r)
+    assert "dot_general" not in text and text.count("custom_call @jax_hopper_gemm") >= 3
+
+
+def test_forward_mode():
+    x, w, b, r = _operands((32, 16), 24, jnp.bfloat16, seed=2)
+    tangents = _operands((32, 16), 24, jnp.bfloat16, seed=3)
+    f = lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="silu", residual=a[3])  # noqa: E731
+    g = lambda *a: f32_reference(*a, "silu")  # noqa: E731
+    y, dy = jax.jvp(f, (x, w, b, r), tangents)
+    y_ref, dy_ref = jax.jvp(g, (x, w, b, r), tangents)
+    assert relative_error(y, y_ref) < 1e-2 and relative_error(dy, dy_ref) < 2e-2
+
+
+def test_vmap_over_examples_folds_into_one_fused_launch():
+    x, w, b, r = _operands((6, 32, 64), 128, jnp.float16, seed=4)
+    f = jax.vmap(lambda xi, ri: jax_hopper.dense(xi, w, b, activation="relu", residual=ri))
+    assert_close_to_reference(jax.jit(f)(x, r), x, w, b, r, "relu")
+    with jax_hopper.dispatch("kernel"):
+        text = _lowered(f, x, r)
+    assert text.count("custom_call @jax_hopper_gemm_fused") == 1
+
+
+def test_vmap_over_weights_is_still_right():
+    x, w, b, r = _operands((32, 64), 48, jnp.float16, seed=5)
+    ws = jnp.stack([w, -w])
+    out = jax.vmap(lambda wi: jax_hopper.dense(x, wi, b, activation="gelu_exact", residual=r))(ws)
+    for i in range(2):
+        assert_close_to_reference(out[i], x, ws[i], b, r, "gelu_exact")
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(activation="tanh"), ValueError, "activation"),
+    (dict(bias=jnp.zeros((7,), jnp.float16)), ValueError, "bias must be"),
+    (dict(residual=jnp.zeros((3, 5), jnp.float16)), ValueError, "residual must be"),
+    (dict(bias=[1.0] * 8), TypeError, "bias must be a jax or numpy array"),
+])
+def test_bad_arguments_are_named(kwargs, error, match):
+    x, w = jnp.ones((4, 16), jnp.float16), jnp.ones((16, 8), jnp.float16)
+    with pytest.raises(error, match=match):
+        jax_hopper.dense(x, w, **kwargs)
+
+
+def test_mismatched_inner_sizes_and_integer_operands():
+    with pytest.raises(ValueError, match=r"x float16\[4, 16\], w float16\[15, 8\]"):
+        jax_hopper.dense(jnp.ones((4, 16), jnp.float16), jnp.ones((15, 8), jnp.float16))
+    with pytest.raises(TypeError, match="floating-point"):
+        jax_hopper.dense(jnp.ones((4, 16), jnp.int32), jnp.ones((16, 8), jnp.int32))
+
+
+def test_mixed_types_promote_like_jnp_and_skip_the_kernel():
+    x, w, _, _ = _operands((16, 32), 24, jnp.float16)
+    b = jnp.ones((24,), jnp.float32)
+    with jax_hopper.dispatch("kernel"):
+        out = jax_hopper.dense(x, w, b, activation="relu")
+        text = _lowered(lambda x, w, b: jax_hopper.dense(x, w, b), x, w, b)
+    assert out.dtype == jnp.float32 and "custom_call" not in text
+    assert_close_to_reference(out, x, w, b, None, "relu")
+
+
+def test_flax_layer_matches_linen_dense_with_the_same_parameters():
+    nn = pytest.importorskip("flax.linen")
+    from jax_hopper.nn import Dense
+
+    x = seed_normal(jax.random.key(6), (8, 16, 64), jnp.float32, 64)
+    res = jax.random.normal(jax.random.key(7), (8, 16, 96), jnp.float32).astype(jnp.bfloat16)
+    ours = Dense(96, activation="gelu_tanh", dtype=jnp.bfloat16)
+    params = ours.init(jax.random.key(8), x)
+    ref_layer = nn.Dense(96, dtype=jnp.bfloat16)
+    assert jax.tree.structure(params) == jax.tree.structure(ref_layer.init(jax.random.key(8), x))
+    out = ours.apply(params, x, res)
+    ref = (jax.nn.gelu(ref_layer.apply(params, x).astype(jnp.float32)) + res.astype(jnp.float32))
+    assert out.dtype == jnp.bfloat16 and out.shape == (8, 16, 96)
+    # flax's reference rounds x @ W + b to bf16 before the GELU; ours rounds once.
+    assert relative_error(out, ref) < 1e-2

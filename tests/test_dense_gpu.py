@@ -1,0 +1,59 @@
+"""GPU tests (Hopper only; skipped with a reason elsewhere): the fused epilogue kernel.
+
+Fresh random inputs, output poisoned with NaN first, compared with the f32 reference of
+the unfused computation; tolerance as in test_dense.py (1.5x the error of rounding the
+reference itself: the kernel rounds once, like the reference; only f32 summation order
+differs).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import run_into_poison
+from test_dense import ACTIVATIONS, _operands, assert_close_to_reference
+
+import jax_hopper
+
+SHAPES = [
+    (4096, 4096, 4096),
+    (1000, 600, 520),  # partial tiles in M and N, K not a multiple of 64
+    (129, 264, 72),  # one row past a tile
+    (100, 101, 103),  # rows TMA cannot describe: operands padded, output stored from registers
+]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fused_kernel_matches_the_f32_reference(hopper, shape, dtype, activation):
+    m, n, k = shape
+    x, w, b, r = _operands((m, k), n, dtype, seed=m + n)
+
+    def f(x, w, b, r):
+        with jax_hopper.dispatch("kernel"):
+            return jax_hopper.dense(x, w, b, activation=activation, residual=r)
+
+    out, _ = run_into_poison(f, (m, n), dtype, x, w, b, r)
+    assert not bool(jnp.isnan(out).any()), "unwritten (still poisoned) or NaN elements"
+    assert_close_to_reference(out, x, w, b, r, activation)
+
+
+@pytest.mark.parametrize("with_bias,with_residual", [(False, False), (True, False), (False, True)])
+def test_optional_operands(hopper, with_bias, with_residual):
+    x, w, b, r = _operands((300, 520), 264, jnp.float16, bias=with_bias, residual=with_residual)
+
+    def f(x, w, b, r):
+        with jax_hopper.dispatch("kernel"):
+            return jax_hopper.dense(x, w, b, activation="relu", residual=r)
+
+    assert_close_to_reference(jax.jit(f)(x, w, b, r), x, w, b, r, "relu")
+
+
+def test_compiled_program_is_one_fused_call(hopper):
+    x, w, b, r = _operands((512, 256), 512, jnp.bfloat16)
+    with jax_hopper.dispatch("kernel"):
+        hlo = jax.jit(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="silu", residual=a[3])).lower(
+            x, w, b, r).compile().as_text()
+    assert 'custom_call_target="jax_hopper_gemm_fused"' in hlo and "__cublas" not in hlo
