@@ -100,6 +100,26 @@ def test_cuobjdump_sass_has_v5_signature(extension_path):
     assert {0, 1} <= kinds_seen, f"V5 or the default persistent kernel missing: {sorted(kinds_seen)}"
 
 
+REGISTER_FILE = 65536
+SETMAXNREG_THREADS = 384  # producer warpgroup + two consumer warpgroups
+
+
+def test_register_reallocating_kernels_hold_the_whole_register_pool(extension_path):
+    # setmaxnreg.inc (consumers to 232) only succeeds if the CTA was launched with the
+    # registers the producer gives back plus its own: 384 threads x 168. A kernel built
+    # with fewer registers per thread would hang, not fail.
+    usage = subprocess.run([_need("cuobjdump"), "--dump-resource-usage", extension_path], check=True,
+                           capture_output=True, text=True).stdout
+    regs = dict(re.findall(r"Function (\S+):\s*REG:(\d+)", usage))
+    reallocating = [name for name in regs
+                    if int(re.search(r"KernelKindE(\d+)E", name).group(1)) in
+                    [k for k, extras in KIND_EXTRAS.items() if SETMAXNREG in extras]]
+    assert reallocating, "no setmaxnreg kernel found"
+    expected = REGISTER_FILE // SETMAXNREG_THREADS // 8 * 8
+    for name in reallocating:
+        assert int(regs[name]) == expected, f"{name}: {regs[name]} registers, the pool needs {expected}"
+
+
 def test_nvdisasm_sees_wgmma_in_the_cubins(extension_path):
     cuobjdump, nvdisasm = _need("cuobjdump"), _need("nvdisasm")
     with tempfile.TemporaryDirectory() as tmp:

@@ -72,10 +72,15 @@ struct GemmConfig {
   static_assert(kStages >= 1 + kMmaInFlight, "the lagging release needs a stage per group in flight");
   static_assert(kWarpgroupM == 64, "one wgmma m64 row block per consumer warpgroup");
   static_assert(kAccumulators == 128, "64x256 f32 accumulator = 128 registers per thread");
+  // setmaxnreg moves registers within the CTA's pool, which is what the kernel was
+  // launched with: kThreads x its register count, at most this many per thread (ptxas
+  // caps the count here under __launch_bounds__(kThreads, 1); tests/test_sass.py checks
+  // the built kernels use exactly it). A split beyond the pool would hang in .inc.
+  static constexpr int kLaunchRegisters = kRegisterFileSize / kThreads / 8 * 8;
   static_assert(!kProducerWarpgroup || kProducerThreads * kProducerRegisters +
-                                           kConsumerWarpgroups * hopper::kWarpgroupSize * kConsumerRegisters <=
-                                       kRegisterFileSize,
-                "the register split exceeds the register file");
+                                               kConsumerWarpgroups * hopper::kWarpgroupSize * kConsumerRegisters <=
+                                           kThreads * kLaunchRegisters,
+                "the register split exceeds the CTA's register pool");
 };
 
 // Staging buffers of the TMA-store epilogue (none for the register epilogue).

@@ -86,7 +86,8 @@ struct Mainloop {
 
   // `read` carries on across the tiles of a persistent CTA. Each K tile: wait for its
   // stage, issue its MMAs, then wait until only kMmaInFlight groups are in flight and
-  // release the stage of the group that just retired. With kMmaInFlight = 1 (V5) the
+  // release the stage of the group that just retired. With kMmaInFlight = 1 (V5 and the
+  // default) the
   // stage being read by the group still in flight is never released: release trails
   // read by exactly one stage.
   __device__ static void mma(const Pipe& pipe, const Storage& smem, int warpgroup, int k_tiles,
