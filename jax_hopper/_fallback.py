@@ -34,10 +34,15 @@ def gemm_reference(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype):
 def dense_reference(x, w, bias, residual, *, activation):
     """act(x @ w + bias) + residual with the fused kernel's arithmetic: f32 products and
     sums, the activation and residual add in f32, one rounding to x's type at the end."""
-    z = lax.dot(x, w, preferred_element_type=jnp.float32)
+    return dense_epilogue(lax.dot(x, w, preferred_element_type=jnp.float32), bias, residual, activation=activation,
+                          dtype=x.dtype)
+
+
+def dense_epilogue(z, bias, residual, *, activation, dtype):
+    """act(z + bias) + residual in f32 for an f32 product z, rounded once to dtype."""
     if bias is not None:
         z = z + bias.astype(jnp.float32)
     y = ACTIVATION_FNS[activation](z)
     if residual is not None:
         y = y + residual.astype(jnp.float32)
-    return y.astype(x.dtype)
+    return y.astype(dtype)

@@ -11,6 +11,7 @@ primitive; its batching rule is in _batching.py.
 from __future__ import annotations
 
 import jax
+import jax._src.dispatch
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
@@ -19,6 +20,7 @@ from jax.interpreters import mlir
 from jax_hopper import _ffi
 from jax_hopper._fallback import ACTIVATION_FNS, dense_reference
 from jax_hopper._primitive import KERNEL_DTYPES, _local_gpus_are_hopper, _pad_for_tma
+from jax_hopper._sharding import dense_lowering
 
 # As the FFI handler numbers them (cuda/ffi/gemm_ffi.cc: kActivations).
 ACTIVATIONS = {None: 0, "relu": 1, "gelu_tanh": 2, "gelu_exact": 3, "silu": 4}
@@ -66,8 +68,12 @@ def _eager_impl(*args, **params):
 
 dense_p.def_impl(_eager_impl)
 dense_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(dense_p, mlir.lower_fun(_default_impl, multiple_results=False))
-mlir.register_lowering(dense_p, mlir.lower_fun(_cuda_impl, multiple_results=False), platform="cuda")
+# Partitioned like gemm_p when the program spans devices (_sharding.py).
+mlir.register_lowering(dense_p, dense_lowering(_default_impl))
+mlir.register_lowering(dense_p, dense_lowering(_cuda_impl), platform="cuda")
+_devices_needed = getattr(jax._src.dispatch, "prim_requires_devices_during_lowering", None)
+if _devices_needed is not None:  # see _primitive.py
+    _devices_needed.add(dense_p)
 
 
 def fused_dense(x, w, bias=None, residual=None, *, activation=None):

@@ -181,3 +181,72 @@ def partitioned(local_impl):
         return call(a, b, transpose_a, transpose_b, out_dtype, kernel, stages)
 
     return impl
+
+
+# ---- the fused dense primitive (x [M, K], w [K, N], bias [N], residual [M, N]) -------
+# M and N shard as for a plain product, bias with N, residual with the output. A sharded
+# K cannot go through the fused epilogue (it needs the whole sum): each device computes
+# its f32 partial product with our plain GEMM, the partials are psum'd, and the epilogue
+# runs on the sum through XLA. Absent bias / residual are (0,) placeholders, replicated.
+
+
+def _dense_shardings(mesh, arg_shapes, has_bias, has_residual):
+    plan = _plan(arg_shapes[0].sharding, arg_shapes[1].sharding, 2, False, False)
+    x_s, w_s, out_s = _shardings(mesh, 2, False, False, plan)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    bias_s = NamedSharding(mesh, _pspec([plan[2]])) if has_bias else replicated
+    residual_s = out_s if has_residual else replicated
+    return plan[3], (x_s, w_s, bias_s, residual_s), out_s
+
+
+def _dense_infer(activation, has_bias, has_residual, mesh, arg_shapes, result_shape):
+    del activation, result_shape
+    return _dense_shardings(mesh, arg_shapes, has_bias, has_residual)[2]
+
+
+def _dense_partition(local_impl, activation, has_bias, has_residual, mesh, arg_shapes, result_shape):
+    from jax_hopper._fallback import dense_epilogue
+    from jax_hopper._primitive import gemm_p
+
+    del result_shape
+    k_axes, arg_shardings, out_sharding = _dense_shardings(mesh, arg_shapes, has_bias, has_residual)
+
+    def lower_fn(x, w, bias, residual):
+        if not k_axes:
+            return local_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
+                              has_residual=has_residual)
+        partial = gemm_p.bind(x, w, transpose_a=False, transpose_b=False, out_dtype=_F32, kernel="persistent",
+                              stages=4)
+        return dense_epilogue(jax.lax.psum(partial, k_axes), bias if has_bias else None,
+                              residual if has_residual else None, activation=activation, dtype=x.dtype)
+
+    return mesh, lower_fn, out_sharding, arg_shardings
+
+
+def _dense_sharding_rule(activation, has_bias, has_residual, mesh, value_types, result_types):
+    del activation, mesh, value_types, result_types
+    bias = "n" if has_bias else "p"
+    residual = "m n" if has_residual else "q"
+    return f"m k, k n, {bias}, {residual} -> m n", {"reduction_factors": ("k",)}
+
+
+def dense_lowering(local_impl):
+    """lowering() for the fused dense primitive: local_impl(x, w, bias, residual,
+    **params) on one device, partitioned by the rules above on several."""
+    direct = mlir.lower_fun(local_impl, multiple_results=False)
+
+    @functools.partial(custom_partitioning, static_argnums=(4, 5, 6))
+    def call(x, w, bias, residual, activation, has_bias, has_residual):
+        return local_impl(x, w, bias, residual, activation=activation, has_bias=has_bias, has_residual=has_residual)
+
+    call.def_partition(partition=functools.partial(_dense_partition, local_impl),
+                       infer_sharding_from_operands=_dense_infer, sharding_rule=_dense_sharding_rule)
+    sharded = mlir.lower_fun(
+        lambda x, w, bias, residual, *, activation, has_bias, has_residual: call(x, w, bias, residual, activation,
+                                                                                 has_bias, has_residual),
+        multiple_results=False)
+
+    def rule(ctx, *args, **params):
+        return (sharded if _spans_devices(ctx) else direct)(ctx, *args, **params)
+
+    return rule
