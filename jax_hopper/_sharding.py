@@ -153,8 +153,12 @@ def _spans_devices(ctx) -> bool:
 def lowering(local_impl):
     """A lowering rule for gemm_p computing local_impl(a, b, **params) on one device and
     partitioned by the rules above when the program spans several."""
+    return _local_or_partitioned(local_impl, partitioned(local_impl))
+
+
+def _local_or_partitioned(local_impl, partitioned_impl):
     direct = mlir.lower_fun(local_impl, multiple_results=False)
-    sharded = mlir.lower_fun(partitioned(local_impl), multiple_results=False)
+    sharded = mlir.lower_fun(partitioned_impl, multiple_results=False)
 
     def rule(ctx, *args, **params):
         return (sharded if _spans_devices(ctx) else direct)(ctx, *args, **params)
@@ -233,20 +237,13 @@ def _dense_sharding_rule(activation, has_bias, has_residual, mesh, value_types, 
 def dense_lowering(local_impl):
     """lowering() for the fused dense primitive: local_impl(x, w, bias, residual,
     **params) on one device, partitioned by the rules above on several."""
-    direct = mlir.lower_fun(local_impl, multiple_results=False)
-
     @functools.partial(custom_partitioning, static_argnums=(4, 5, 6))
     def call(x, w, bias, residual, activation, has_bias, has_residual):
         return local_impl(x, w, bias, residual, activation=activation, has_bias=has_bias, has_residual=has_residual)
 
     call.def_partition(partition=functools.partial(_dense_partition, local_impl),
                        infer_sharding_from_operands=_dense_infer, sharding_rule=_dense_sharding_rule)
-    sharded = mlir.lower_fun(
-        lambda x, w, bias, residual, *, activation, has_bias, has_residual: call(x, w, bias, residual, activation,
-                                                                                 has_bias, has_residual),
-        multiple_results=False)
+    def impl(x, w, bias, residual, *, activation, has_bias, has_residual):
+        return call(x, w, bias, residual, activation, has_bias, has_residual)
 
-    def rule(ctx, *args, **params):
-        return (sharded if _spans_devices(ctx) else direct)(ctx, *args, **params)
-
-    return rule
+    return _local_or_partitioned(local_impl, impl)
