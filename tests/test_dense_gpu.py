@@ -57,3 +57,27 @@ def test_compiled_program_is_one_fused_call(hopper):
         hlo = jax.jit(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="silu", residual=a[3])).lower(
             x, w, b, r).compile().as_text()
     assert 'custom_call_target="jax_hopper_gemm_fused"' in hlo and "__cublas" not in hlo
+
+
+F16 = jnp.float16
+FUSED_MISUSE = [  # (bias shape, residual shape, c shape, attributes, message)
+    ((65,), (0,), (64, 64), {}, "bias must be"),
+    ((0,), (64, 65), (64, 64), {}, "residual must be"),
+    ((0,), (0,), (64, 64), {"activation": 9}, "unknown activation"),
+    ((0,), (0,), (2, 64, 64), {}, "rank"),
+]
+
+
+@pytest.mark.parametrize("bias_shape,res_shape,c_shape,attrs,match", FUSED_MISUSE,
+                         ids=[m[-1].replace(" ", "_") for m in FUSED_MISUSE])
+def test_fused_handler_rejects_inconsistent_calls(hopper, bias_shape, res_shape, c_shape, attrs, match):
+    """Called directly (bypassing the Python checks), the fused handler answers a
+    malformed call with an error instead of reading bias/residual out of bounds."""
+    import numpy as np
+
+    params = {"transpose_a": np.int32(0), "transpose_b": np.int32(0), "activation": np.int32(0)}
+    params.update({k: np.int32(v) for k, v in attrs.items()})
+    call = jax.ffi.ffi_call("jax_hopper_gemm_fused", jax.ShapeDtypeStruct(c_shape, F16))
+    operands = [jnp.ones((64, 32), F16), jnp.ones((32, 64), F16), jnp.ones(bias_shape, F16), jnp.ones(res_shape, F16)]
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(jax.jit(lambda *a: call(*a, **params))(*operands))
