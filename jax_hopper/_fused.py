@@ -19,7 +19,7 @@ from jax.interpreters import mlir
 
 from jax_hopper import _ffi
 from jax_hopper._fallback import ACTIVATION_FNS, dense_reference
-from jax_hopper._primitive import KERNEL_DTYPES, _local_gpus_are_hopper, _pad_for_tma
+from jax_hopper._primitive import KERNEL_DTYPES, _local_gpus_are_hopper, _match_varying_axes, _pad_for_tma
 from jax_hopper._sharding import dense_lowering
 
 # As the FFI handler numbers them (cuda/ffi/gemm_ffi.cc: kActivations).
@@ -83,5 +83,7 @@ def fused_dense(x, w, bias=None, residual=None, *, activation=None):
         raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATIONS if a)} or None, "
                          f"got {activation!r}")
     placeholder = jnp.zeros((0,), x.dtype)
-    return dense_p.bind(x, w, placeholder if bias is None else bias, placeholder if residual is None else residual,
-                        activation=activation, has_bias=bias is not None, has_residual=residual is not None)
+    operands = _match_varying_axes(x, w, placeholder if bias is None else bias,
+                                   placeholder if residual is None else residual)
+    return dense_p.bind(*operands, activation=activation, has_bias=bias is not None,
+                        has_residual=residual is not None)

@@ -158,19 +158,22 @@ def _varying_axes(x) -> frozenset:
     return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
 
 
-def _match_varying_axes(a, b):
-    """Inside shard_map, makes both operands vary over the union of their manual axes, as
+def _match_varying_axes(*xs):
+    """Inside shard_map, makes all operands vary over the union of their manual axes, as
     jax does for its own binary primitives (a replicated weight times a sharded input)."""
-    va, vb = _varying_axes(a), _varying_axes(b)
-    if va == vb:
-        return a, b
-    def vary(x, axes):
-        if not axes:
+    axes = [_varying_axes(x) for x in xs]
+    union = frozenset().union(*axes)
+    if all(a == union for a in axes):
+        return xs
+
+    def vary(x, missing):
+        if not missing:
             return x
         if hasattr(jax.lax, "pcast"):
-            return jax.lax.pcast(x, tuple(sorted(axes)), to="varying")
-        return jax.lax.pvary(x, tuple(sorted(axes)))  # its name in earlier releases
-    return vary(a, vb - va), vary(b, va - vb)
+            return jax.lax.pcast(x, tuple(sorted(missing)), to="varying")
+        return jax.lax.pvary(x, tuple(sorted(missing)))  # its name in earlier releases
+
+    return tuple(vary(x, union - a) for x, a in zip(xs, axes))
 
 
 def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, out_dtype=None,

@@ -13,6 +13,7 @@ definition jax's. Then:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -199,9 +200,9 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
         raise TypeError(f"jax_hopper.dense: floating-point operands only; got {described}")
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     bias = None if bias is None else jnp.asarray(bias, dtype)
-    x2 = x.reshape(-1, x.shape[-1])
-    r2 = None if residual is None else jnp.asarray(residual, dtype).reshape(-1, n)
-    m, k = x2.shape
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    x2 = x.reshape(m, k)
+    r2 = None if residual is None else jnp.asarray(residual, dtype).reshape(m, n)
     problem = _dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)
     use_kernel = (jnp.dtype(dtype) in KERNEL_DTYPES and min(m, n, k) > 0 and _dispatch.choose(problem)[0] == "kernel")
     fn = fused_dense if use_kernel else dense_reference

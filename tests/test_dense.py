@@ -152,6 +152,16 @@ def test_mismatched_inner_sizes_and_integer_operands():
         jax_hopper.dense(jnp.ones((4, 16), jnp.int32), jnp.ones((16, 8), jnp.int32))
 
 
+@pytest.mark.parametrize("x_shape,n", [((4, 0), 8), ((0, 16), 8), ((2, 0, 16), 8), ((5, 16), 0)])
+def test_empty_dimensions_give_what_jnp_gives(x_shape, n):
+    x = jnp.ones(x_shape, jnp.float16)
+    w = jnp.ones((x_shape[-1], n), jnp.float16)
+    b = jnp.full((n,), 0.5, jnp.float16)
+    out = jax.jit(lambda x, w, b: jax_hopper.dense(x, w, b, activation="relu"))(x, w, b)
+    expected = jnp.broadcast_to(jax.nn.relu(x @ w + b), x_shape[:-1] + (n,))  # K = 0: act(bias)
+    assert out.shape == expected.shape and bool(jnp.all(out == expected))
+
+
 def test_mixed_types_promote_like_jnp_and_skip_the_kernel():
     x, w, _, _ = _operands((16, 32), 24, jnp.float16)
     b = jnp.ones((24,), jnp.float32)

@@ -177,3 +177,23 @@ def test_fused_dense_partitions_like_the_unfused_block(pattern):
     if ON_GPU:  # a sharded K needs the whole sum before the epilogue: plain GEMM + psum
         target = "jax_hopper_gemm" if pattern == "K_sharded" else "jax_hopper_gemm_fused"
         assert f'custom_call_target="{target}"' in text
+
+
+def test_fused_dense_inside_shard_map_with_replicated_weights_and_grad():
+    mm = mesh()
+    x = _random(jax.random.key(10), (M, K))
+    w = _random(jax.random.key(11), (K, N)) / 8
+    b = _random(jax.random.key(12), (N,))
+
+    def block(layer):
+        body = jax.shard_map(layer, mesh=mm, in_specs=(P("x", None), P(), P()), out_specs=P("x", None))
+        return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(body(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
+
+    ours = block(lambda x, w, b: jax_hopper.dense(x, w, b, activation="silu"))
+    ref = block(lambda x, w, b: jax.nn.silu(x.astype(jnp.float32) @ w.astype(jnp.float32) + b.astype(jnp.float32)))
+    with jax_hopper.dispatch("kernel"):
+        (v1, g1) = ours(x, w, b)
+    (v2, g2) = ref(x, w, b)
+    assert abs(float(v1) - float(v2)) <= 1e-2 * abs(float(v2))
+    for a, c in zip(g1, g2):
+        assert relative_error(a, c.astype(jnp.float32)) < 1e-2
