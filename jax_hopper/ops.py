@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_hopper import _autodiff, _batching, _dispatch  # noqa: F401  (register the primitive's rules)
+# _autodiff and _batching are imported for their side effect: they register the rules.
+from jax_hopper import _autodiff, _batching, _dispatch  # noqa: F401
 from jax_hopper._dimension_numbers import plan_dot_general
 from jax_hopper._primitive import KERNEL_DTYPES, gemm
 
