@@ -28,8 +28,10 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # Kernel kinds, as the FFI handler numbers them (cuda/gemm/gemm.h: KernelKind): the
 # seed's V5 (one CTA per tile); the persistent kernel (one CTA per SM, 2-CTA clusters
 # multicasting B, TMA-store epilogue overlapping the next tile, setmaxnreg), the
-# default; and its ablations, each without one technique (f16, jnp.dot's layout only).
-KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3, "persistent_wait0": 4}
+# default; its ablations, each without one technique, and the experimental stream-K
+# tail (f16, jnp.dot's layout only).
+KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3, "persistent_wait0": 4,
+           "persistent_streamk": 6}  # 5 is the fused kind, reached through jax_hopper.dense only
 DEFAULT_KERNEL = "persistent"
 DEFAULT_STAGES = 4
 # TMA needs 16-byte global row strides: a stored row of 16-bit elements must hold a

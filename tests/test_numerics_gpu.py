@@ -71,7 +71,7 @@ def test_output_is_written_into_the_poisoned_buffer(hopper):
 # default's ablations (cuda/gemm/instances.def).
 SELECTABLE = [("v5", 2, jnp.float16), ("v5", 3, jnp.float16), ("v5", 4, jnp.float16), ("v5", 4, jnp.bfloat16),
               ("persistent_basic", 4, jnp.float16), ("persistent_tma", 4, jnp.float16),
-              ("persistent_wait0", 4, jnp.float16)]
+              ("persistent_wait0", 4, jnp.float16), ("persistent_streamk", 4, jnp.float16)]
 
 
 @pytest.mark.parametrize("kernel,stages,dtype", SELECTABLE, ids=lambda x: getattr(x, "__name__", str(x)))
@@ -161,3 +161,22 @@ def test_batched_and_f32_output_match_f32_reference(hopper, dtype, out_dtype):
         # f32 output: no final rounding, so both errors are pure f32 summation noise
         # (~sqrt(K) * 2^-24); allow an order-of-magnitude band around that, not 1.5x of it.
         assert err <= max(ERROR_FACTOR * err_jnp, 1e-5), f"{err:.3e} vs {err_jnp:.3e}"
+
+
+@pytest.mark.parametrize("shape", [(8192, 8192, 8192), (1000, 3000, 4160), (256, 8192, 8192)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_stream_k_tail_is_correct_and_deterministic(hopper, shape):
+    """The experimental stream-K kind splits the last wave's K iterations over all
+    clusters and sums the partial accumulators in a fixed order: right, and bitwise the
+    same on every call (8192^3: 1024 cluster tiles on 66 clusters leave a tail of 34)."""
+    from jax_hopper._primitive import gemm
+
+    m, n, k = shape
+    a, b = _inputs(m, n, k, jnp.float16, seed=7)
+    f = jax.jit(lambda x, y: gemm(x, y, kernel="persistent_streamk"))
+    out, _ = run_into_poison(f, (m, n), jnp.float16, a, b)
+    assert not bool(jnp.isnan(out).any())
+    ref = f32_reference(a, b)
+    assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.dot(a, b), ref)
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(f(a, b)), np.asarray(out))

@@ -75,6 +75,7 @@ KIND_EXTRAS = {
     3: [MULTICAST, *TMA_STORE],  # persistent_tma
     4: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_wait0
     5: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused (dense: bias, activation, residual)
+    6: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_streamk (stream-K tail)
 }
 WAIT_ONE = "WARPGROUP.DEPBAR.LE gsb0, 0x1"
 WAIT0_KIND = 4

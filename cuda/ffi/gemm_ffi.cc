@@ -3,6 +3,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 
 #include "gemm/gemm.h"
@@ -16,7 +18,7 @@ namespace {
 // Values of the `kernel` attribute, by index (jax_hopper/_primitive.py: KERNELS).
 constexpr KernelKind kKernelKinds[] = {KernelKind::kV5, KernelKind::kPersistent, KernelKind::kPersistentBasic,
                                        KernelKind::kPersistentTma, KernelKind::kPersistentWait0,
-                                       KernelKind::kPersistentFused};
+                                       KernelKind::kPersistentFused, KernelKind::kPersistentStreamK};
 constexpr int32_t kNumKernelKinds = sizeof(kKernelKinds) / sizeof(kKernelKinds[0]);
 
 std::string shape_str(ffi::AnyBuffer::Dimensions d) {
@@ -88,10 +90,22 @@ ffi::Error decode(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> c,
-                    int32_t transpose_a, int32_t transpose_b, int32_t kernel, int32_t stages) {
+// XLA's scratch memory for the call (freed when the handler returns, stream-ordered, so
+// it lives until the kernel enqueued here has run).
+std::function<void*(size_t)> scratch_of(ffi::ScratchAllocator& scratch) {
+  constexpr size_t kWorkspaceAlignment = 256;
+  return [&scratch](size_t bytes) -> void* {
+    const std::optional<void*> memory = scratch.Allocate(bytes, kWorkspaceAlignment);
+    return memory.has_value() ? *memory : nullptr;
+  };
+}
+
+ffi::Error GemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                    ffi::Result<ffi::AnyBuffer> c, int32_t transpose_a, int32_t transpose_b, int32_t kernel,
+                    int32_t stages) {
   GemmArgs args;
   if (ffi::Error err = decode(a, b, c, transpose_a, transpose_b, args); err.failure()) return err;
+  args.allocate_workspace = scratch_of(scratch);
   if (kernel < 0 || kernel >= kNumKernelKinds || kKernelKinds[kernel] == KernelKind::kPersistentFused)
     return ffi::Error::InvalidArgument("jax_hopper_gemm: unknown kernel " + std::to_string(kernel));
   KernelChoice choice;
@@ -144,6 +158,7 @@ ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemm, jax_hopper::GemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()  // a
                                   .Arg<ffi::AnyBuffer>()  // b
                                   .Ret<ffi::AnyBuffer>()  // c

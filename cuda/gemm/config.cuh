@@ -29,12 +29,14 @@ struct GemmConfig {
   // go on to the next tile while the copy engine writes this one), or straight from
   // registers to global memory (the seed's).
   static constexpr bool kFusedEpilogue = kKind == KernelKind::kPersistentFused;
+  // The tail wave split along K over all clusters (tile_scheduler.cuh: StreamKTail).
+  static constexpr bool kStreamK = kKind == KernelKind::kPersistentStreamK;
   static constexpr bool kTmaStoreEpilogue = kKind == KernelKind::kPersistentTma || kKind == KernelKind::kPersistent ||
-                                            kKind == KernelKind::kPersistentWait0 || kFusedEpilogue;
+                                            kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK;
   // A whole producer warpgroup (only one thread issues TMA) so that setmaxnreg, which
   // works per warpgroup, can move registers from the producer to the consumers.
   static constexpr bool kProducerWarpgroup =
-      kKind == KernelKind::kPersistent || kKind == KernelKind::kPersistentWait0 || kFusedEpilogue;
+      kKind == KernelKind::kPersistent || kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK;
   // wgmma groups left in flight after each K tile; the stage release lags by as many.
   static constexpr int kMmaInFlight = kKind == KernelKind::kPersistentWait0 ? 0 : 1;
   // Tile order: consecutive CTAs sweep this many neighbouring N tiles, then step in M.

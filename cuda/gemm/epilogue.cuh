@@ -131,8 +131,8 @@ struct FusedOps {
     } else if constexpr (kAct == Activation::kGeluErf) {  // jax.nn.gelu(approximate=False)
       constexpr float kInvSqrt2 = 0.7071067811865476f;
       return 0.5f * v * (1.0f + erff(v * kInvSqrt2));
-    } else if constexpr (kAct == Activation::kSilu) {  // x * sigmoid(x)
-      return v / (1.0f + expf(-v));
+    } else if constexpr (kAct == Activation::kSilu) {  // x * sigmoid(x); rcp.rn: no division slow path
+      return v * __frcp_rn(1.0f + expf(-v));
     } else {
       return v;
     }

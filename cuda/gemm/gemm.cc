@@ -95,6 +95,8 @@ const char* kind_name(KernelKind kind) {
       return "persistent_wait0";
     case KernelKind::kPersistentFused:
       return "persistent_fused";
+    case KernelKind::kPersistentStreamK:
+      return "persistent_streamk";
   }
   return "unknown";
 }

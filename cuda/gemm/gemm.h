@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace jax_hopper {
@@ -40,6 +41,9 @@ struct GemmArgs {
   int64_t ld_residual = 0;
   Activation activation = Activation::kNone;
   bool fused() const { return bias != nullptr || residual != nullptr || activation != Activation::kNone; }
+  // Device memory that lives until the kernel has run on `stream` (the FFI handler's
+  // scratch allocator); null where nothing can be allocated. Used by the stream-K kind.
+  std::function<void*(size_t bytes)> allocate_workspace;
 };
 
 // Which kernel. kV5 is the seed (one tile per CTA, producer warp, epilogue stored from
@@ -53,7 +57,17 @@ struct GemmArgs {
 //                      (setmaxnreg, 384 threads): the default
 //  kPersistentWait0  kPersistent with wait_group(0) instead of one wgmma group in flight
 //  kPersistentFused  kPersistent with the fused epilogue (bias, activation, residual)
-enum class KernelKind { kV5, kPersistent, kPersistentBasic, kPersistentTma, kPersistentWait0, kPersistentFused };
+//  kPersistentStreamK kPersistent whose last, partial wave of tiles is split along K
+//                      over all clusters (stream-K for the tail; experimental)
+enum class KernelKind {
+  kV5,
+  kPersistent,
+  kPersistentBasic,
+  kPersistentTma,
+  kPersistentWait0,
+  kPersistentFused,
+  kPersistentStreamK
+};
 
 // Compile-time kernel parameters that are selectable at run time (each choice is an
 // explicit instantiation listed in instances.def).

@@ -13,6 +13,7 @@
 #include "gemm/epilogue.cuh"
 #include "gemm/mainloop.cuh"
 #include "gemm/pipeline.cuh"
+#include "gemm/stream_k_fixup.cuh"
 #include "gemm/tile_scheduler.cuh"
 #include "hopper/cluster.cuh"
 #include "hopper/tma.cuh"
@@ -29,7 +30,8 @@ using EpilogueOf = std::conditional_t<Cfg::kTmaStoreEpilogue, TmaStoreEpilogue<C
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                const __grid_constant__ CUtensorMap tmap_c, const OutputParams out, const int k_tiles, const SchedulerOf<Cfg> scheduler) {
+                const __grid_constant__ CUtensorMap tmap_c, const OutputParams out, const WorkList work,
+                const SchedulerOf<Cfg> scheduler, const StreamKParams stream_k) {
   using Main = Mainloop<Cfg>;
   extern __shared__ uint8_t smem_raw[];
   const uintptr_t base = reinterpret_cast<uintptr_t>(smem_raw);
@@ -45,9 +47,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 
   const int cta_rank = Cfg::kClusterM > 1 ? static_cast<int>(hopper::cluster_cta_rank()) : 0;
-  const int64_t first_tile = blockIdx.x / Cfg::kClusterM;
-  const int64_t tile_stride = gridDim.x / Cfg::kClusterM;
-  const int64_t num_tiles = scheduler.num_tiles();
+  const int64_t cluster = blockIdx.x / Cfg::kClusterM;  // V5: one tile per CTA, one unit
   const int warpgroup = hopper::warpgroup_index();
   if (warpgroup == Cfg::kConsumerWarpgroups) {
     if constexpr (Cfg::kProducerWarpgroup) hopper::setmaxnreg_dec<Cfg::kProducerRegisters>();
@@ -55,18 +55,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       hopper::tma_prefetch_descriptor(&tmap_a);
       hopper::tma_prefetch_descriptor(&tmap_b);
       auto st = producer_start_state<Cfg::kStages>();
-      for (int64_t t = first_tile; t < num_tiles; t += tile_stride)
-        Main::load(pipe, smem, &tmap_a, &tmap_b, scheduler.tile(t, cta_rank), k_tiles, cta_rank, st);
+      WorkCursor<Cfg::kStreamK> cursor(work, cluster);
+      for (WorkUnit unit; cursor.next(unit);)
+        Main::load(pipe, smem, &tmap_a, &tmap_b, scheduler.tile(unit.tile, cta_rank), unit.k_begin, unit.k_end,
+                   cta_rank, st);
       Main::drain(pipe, st);
     }
   } else {
     if constexpr (Cfg::kProducerWarpgroup) hopper::setmaxnreg_inc<Cfg::kConsumerRegisters>();
     using Epilogue = EpilogueOf<Cfg>;
     auto read = consumer_start_state<Cfg::kStages>();
-    for (int64_t t = first_tile; t < num_tiles; t += tile_stride) {
-      const TileCoord tile = scheduler.tile(t, cta_rank);
+    WorkCursor<Cfg::kStreamK> cursor(work, cluster);
+    for (WorkUnit unit; cursor.next(unit);) {
+      const TileCoord tile = scheduler.tile(unit.tile, cta_rank);
       float acc[Cfg::kAccumulators];
-      Main::mma(pipe, smem, warpgroup, k_tiles, acc, read);
+      Main::mma(pipe, smem, warpgroup, unit.k_end - unit.k_begin, acc, read);
+      if constexpr (Cfg::kStreamK) {
+        using Fixup = StreamKFixup<Cfg>;
+        if (unit.role == UnitRole::kContributor) {
+          Fixup::publish(acc, stream_k, cluster, cta_rank, warpgroup);
+          continue;
+        }
+        if (unit.role == UnitRole::kFinisher) {
+          const int64_t tile_end = work.tail_tile_end(unit.tile);
+          for (int64_t r = work.range_of(cluster) + 1; r < work.clusters && work.tail_begin(r) < tile_end; ++r)
+            if (work.has_tail_work(r)) Fixup::accumulate(acc, stream_k, work.cluster_of(r), cta_rank, warpgroup);
+        }
+      }
       const int row0 = tile.m_block * Cfg::kBlockM + warpgroup * Cfg::kWarpgroupM;
       const int col0 = tile.n_block * Cfg::kBlockN;
       if constexpr (Cfg::kFusedEpilogue) FusedOps<Cfg>::apply(acc, out, row0, col0);

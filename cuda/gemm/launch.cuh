@@ -120,6 +120,23 @@ Status prepare_device(const void* kernel, size_t smem, int* resident) {
   return Status::Ok();
 }
 
+// Stream-K tail: splits it when the last wave is partial and the workspace for the
+// partial sums (plus zeroed flags) can be had; otherwise the walk stays tile by tile.
+template <class Cfg>
+Status prepare_stream_k(const GemmArgs& args, cudaStream_t stream, WorkList* work, StreamKParams* params) {
+  using Fixup = StreamKFixup<Cfg>;
+  if (work->num_tiles % work->clusters == 0 || !args.allocate_workspace) return Status::Ok();
+  const size_t data_bytes = Fixup::workspace_bytes(work->clusters);
+  const size_t flag_bytes = Fixup::flag_count(work->clusters) * sizeof(uint32_t);
+  void* memory = args.allocate_workspace(data_bytes + flag_bytes);
+  if (memory == nullptr) return Status::Ok();
+  params->workspace = static_cast<float4*>(memory);
+  params->flags = reinterpret_cast<uint32_t*>(static_cast<char*>(memory) + data_bytes);
+  const Status st = cuda_status(cudaMemsetAsync(params->flags, 0, flag_bytes, stream), "zeroing stream-K flags");
+  if (st.ok()) work->split_tail = true;
+  return st;
+}
+
 template <class Cfg>
 Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   CUtensorMap tmap_a, tmap_b, tmap_c = {};
@@ -151,8 +168,18 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   const int k_tiles = static_cast<int>(ceil_div(args.k, Cfg::kBlockK));
 
   int64_t ctas = scheduler.num_tiles() * Cfg::kClusterM;  // V5: one CTA per tile
-  if constexpr (Cfg::kPersistent) ctas = std::min<int64_t>(ctas, resident);
+  if constexpr (Cfg::kStreamK) {
+    ctas = resident;  // every cluster takes a share of the tail
+  } else if constexpr (Cfg::kPersistent) {
+    ctas = std::min<int64_t>(ctas, resident);
+  }
   if (ctas > kMaxGridX) return Status::Invalid("too many output tiles for one launch");
+  WorkList work{scheduler.num_tiles(), ctas / Cfg::kClusterM, k_tiles, false};
+  StreamKParams stream_k{nullptr, nullptr};
+  if constexpr (Cfg::kStreamK) {
+    st = prepare_stream_k<Cfg>(args, stream, &work, &stream_k);
+    if (!st.ok()) return st;
+  }
 
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attr[1];
@@ -165,7 +192,7 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   config.stream = stream;
   config.attrs = attr;
   config.numAttrs = Cfg::kClusterM > 1 ? 1 : 0;
-  return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, tmap_c, out, k_tiles, scheduler),
+  return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, tmap_c, out, work, scheduler, stream_k),
                      "gemm kernel launch");
 }
 

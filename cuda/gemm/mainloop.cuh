@@ -40,16 +40,18 @@ struct Mainloop {
     }
   }
 
-  // All K tiles of one output tile. `st` carries on across tiles, so a persistent CTA's
-  // producer runs ahead into the next tile while the consumers finish this one.
+  // K tiles [k_begin, k_end) of one output tile. `st` carries on across tiles, so a
+  // persistent CTA's producer runs ahead into the next tile while the consumers finish
+  // this one.
   __device__ static void load(const Pipe& pipe, Storage& smem, const CUtensorMap* tmap_a,
-                              const CUtensorMap* tmap_b, TileCoord tile, int k_tiles, int cta_rank, State& st) {
+                              const CUtensorMap* tmap_b, TileCoord tile, int k_begin, int k_end, int cta_rank,
+                              State& st) {
     const int m0 = tile.m_block * Cfg::kBlockM;
     const int n0 = tile.n_block * Cfg::kBlockN;
     // This CTA's share of B, delivered to every CTA of the cluster.
     constexpr uint16_t kClusterMask = Cfg::kClusterM > 1 ? (1u << Cfg::kClusterM) - 1 : 0;
     const int first_b_box = cta_rank * LayoutB::kBoxesPerCta;
-    for (int kt = 0; kt < k_tiles; ++kt) {
+    for (int kt = k_begin; kt < k_end; ++kt) {
       pipe.producer_acquire(st);
       // Out-of-bounds parts of a box are zero-filled and still count toward the bytes;
       // the peers' shares of B land on this CTA's barrier too.

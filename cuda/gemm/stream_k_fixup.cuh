@@ -1,0 +1,67 @@
+// Stream-K tail (tile_scheduler.cuh: WorkList): how a contributor hands its partial
+// accumulator to the finisher of the tile, through a global workspace and one flag per
+// (cluster, CTA rank, consumer warpgroup). Each thread stores and loads its own 128
+// accumulator registers as float4s laid out [vector][thread], so both sides coalesce.
+#pragma once
+#include <cstdint>
+
+#include "hopper/flag.cuh"
+#include "hopper/warpgroup.cuh"
+
+namespace jax_hopper {
+
+struct StreamKParams {
+  float4* workspace;  // kSlotVectors float4 per slot; null when the tail is not split
+  uint32_t* flags;    // one per slot, zeroed before the launch
+};
+
+template <class Cfg>
+struct StreamKFixup {
+  static constexpr int kVectors = Cfg::kAccumulators / 4;  // float4s per thread
+  static constexpr int kSlotVectors = kVectors * hopper::kWarpgroupSize;
+  static constexpr int kSlotsPerCluster = Cfg::kClusterM * Cfg::kConsumerWarpgroups;
+  static constexpr uint32_t kPublished = 1;
+
+  // Workspace bytes / flags for `clusters` clusters (host side).
+  static constexpr size_t workspace_bytes(int64_t clusters) {
+    return static_cast<size_t>(clusters) * kSlotsPerCluster * kSlotVectors * sizeof(float4);
+  }
+  static constexpr size_t flag_count(int64_t clusters) { return static_cast<size_t>(clusters) * kSlotsPerCluster; }
+
+  __device__ static int64_t slot(int64_t cluster, int rank, int warpgroup) {
+    return (cluster * Cfg::kClusterM + rank) * Cfg::kConsumerWarpgroups + warpgroup;
+  }
+
+  __device__ static void publish(const float (&acc)[Cfg::kAccumulators], const StreamKParams& p, int64_t cluster,
+                                 int rank, int warpgroup) {
+    const int64_t s = slot(cluster, rank, warpgroup);
+    const int t = hopper::thread_in_warpgroup();
+    float4* dst = p.workspace + s * kSlotVectors;
+#pragma unroll
+    for (int v = 0; v < kVectors; ++v)
+      dst[v * hopper::kWarpgroupSize + t] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
+    __threadfence();  // each thread's stores before the barrier, then one release for all
+    hopper::named_barrier_sync(Cfg::kFirstEpilogueBarrier + warpgroup, hopper::kWarpgroupSize);
+    if (t == 0) hopper::flag_release(&p.flags[s], kPublished);
+  }
+
+  // Adds the partial sum of `cluster`'s same rank and warpgroup, once published.
+  __device__ static void accumulate(float (&acc)[Cfg::kAccumulators], const StreamKParams& p, int64_t cluster,
+                                    int rank, int warpgroup) {
+    const int64_t s = slot(cluster, rank, warpgroup);
+    const int t = hopper::thread_in_warpgroup();
+    if (t == 0) hopper::flag_wait(&p.flags[s], kPublished);
+    hopper::named_barrier_sync(Cfg::kFirstEpilogueBarrier + warpgroup, hopper::kWarpgroupSize);
+    const float4* src = p.workspace + s * kSlotVectors;
+#pragma unroll
+    for (int v = 0; v < kVectors; ++v) {
+      const float4 x = __ldcg(src + v * hopper::kWarpgroupSize + t);  // L2: written by another SM
+      acc[4 * v] += x.x;
+      acc[4 * v + 1] += x.y;
+      acc[4 * v + 2] += x.z;
+      acc[4 * v + 3] += x.w;
+    }
+  }
+};
+
+}  // namespace jax_hopper
