@@ -29,7 +29,7 @@ struct GemmConfig {
   // go on to the next tile while the copy engine writes this one), or straight from
   // registers to global memory (the seed's).
   static constexpr bool kFusedEpilogue = kKind == KernelKind::kPersistentFused;
-  // The tail wave split along K over all clusters (tile_scheduler.cuh: StreamKTail).
+  // The tail wave split along K over the clusters (tile_scheduler.cuh: WorkList).
   static constexpr bool kStreamK = kKind == KernelKind::kPersistentStreamK;
   static constexpr bool kTmaStoreEpilogue = kKind == KernelKind::kPersistentTma || kKind == KernelKind::kPersistent ||
                                             kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK;

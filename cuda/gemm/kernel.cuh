@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         if (unit.role == UnitRole::kFinisher) {
           const int64_t tile_end = work.tail_tile_end(unit.tile);
-          for (int64_t r = work.range_of(cluster) + 1; r < work.clusters && work.tail_begin(r) < tile_end; ++r)
+          for (int64_t r = work.range_of(cluster) + 1; r < work.ranges() && work.tail_begin(r) < tile_end; ++r)
             if (work.has_tail_work(r)) Fixup::accumulate(acc, stream_k, work.cluster_of(r), cta_rank, warpgroup);
         }
       }

@@ -61,8 +61,9 @@ struct WorkUnit {
 // The persistent walk over cluster tiles, optionally with a stream-K tail. Cluster q
 // takes tiles q, q + C, ... of the full waves (C clusters). With kSplitTail, the tiles
 // of the last, partial wave are not handed out one per cluster (most clusters would
-// idle) but as their R * k_tiles K iterations, split evenly over all C clusters into
-// ranges; cluster q takes range C - 1 - q. A tail tile is then finished by the cluster
+// idle) but as their R * k_tiles K iterations, split evenly into `ranges` ranges (at
+// most C, and at most kMaxSplitsPerTile per tail tile, so a finisher never sums more
+// than a few partials); cluster q takes range C - 1 - q if there is one. A tail tile is then finished by the cluster
 // whose range holds its k = 0 (a finisher's segment is the last of its range); clusters
 // whose range starts inside it contribute (a contributor's segment is the first of its
 // range, so contributors never wait and the waits form no chains). Contributors hold
@@ -70,6 +71,7 @@ struct WorkUnit {
 // the finisher, so a finisher never spins on a CTA still waiting for an SM.
 // Deterministic: the split depends only on the shape and C.
 struct WorkList {
+  static constexpr int64_t kMaxSplitsPerTile = 4;
   int64_t num_tiles;
   int64_t clusters;
   int k_tiles;
@@ -79,8 +81,16 @@ struct WorkList {
     return split_tail ? num_tiles / clusters * clusters : num_tiles;
   }
   __host__ __device__ int64_t tail_iterations() const { return (num_tiles - whole_tiles()) * k_tiles; }
-  // First tail iteration of range r (it ends where range r + 1 begins), and its cluster.
-  __host__ __device__ int64_t tail_begin(int64_t r) const { return r * tail_iterations() / clusters; }
+  __host__ __device__ int64_t ranges() const {
+    const int64_t cap = (num_tiles - whole_tiles()) * kMaxSplitsPerTile;
+    return cap < clusters ? cap : clusters;
+  }
+  // First tail iteration of range r (it ends where range r + 1 begins; ranges past the
+  // last are empty), and its cluster.
+  __host__ __device__ int64_t tail_begin(int64_t r) const {
+    const int64_t n = ranges();
+    return r >= n ? tail_iterations() : r * tail_iterations() / n;
+  }
   __device__ int64_t range_of(int64_t cluster) const { return clusters - 1 - cluster; }
   __device__ int64_t cluster_of(int64_t range) const { return clusters - 1 - range; }
 
@@ -95,7 +105,7 @@ struct WorkList {
 // the kernel kind's (compile-time), work.split_tail the launch's.
 template <bool kSplitTail>
 struct WorkCursor {
-  const WorkList& work;
+  const WorkList work;
   int64_t next_tile, whole, i, end;
 
   __device__ WorkCursor(const WorkList& w, int64_t q)
