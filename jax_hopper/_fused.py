@@ -11,7 +11,6 @@ primitive; its batching rule is in _batching.py.
 from __future__ import annotations
 
 import jax
-import jax._src.dispatch
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
@@ -19,7 +18,14 @@ from jax.interpreters import mlir
 
 from jax_hopper import _ffi
 from jax_hopper._fallback import ACTIVATION_FNS, dense_reference
-from jax_hopper._primitive import KERNEL_DTYPES, _local_gpus_are_hopper, _match_varying_axes, _pad_for_tma
+from jax_hopper._primitive import (
+    KERNEL_DTYPES,
+    _local_gpus_are_hopper,
+    _match_varying_axes,
+    _pad_for_tma,
+    jitted_bind,
+    require_devices_at_lowering,
+)
 from jax_hopper._sharding import dense_lowering
 
 # As the FFI handler numbers them (cuda/ffi/gemm_ffi.cc: kActivations).
@@ -27,6 +33,12 @@ ACTIVATIONS = {None: 0, "relu": 1, "gelu_tanh": 2, "gelu_exact": 3, "silu": 4}
 assert set(ACTIVATIONS) == set(ACTIVATION_FNS)
 
 dense_p = Primitive("jax_hopper_dense")
+
+
+def _absent(dtype):
+    """Stands for an omitted bias or residual: the primitive has a fixed arity, and the
+    FFI handler reads an empty operand as "none"."""
+    return jnp.zeros((0,), dtype)
 
 
 def _optional(x, has):
@@ -56,14 +68,13 @@ def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
                              has_residual=has_residual)
     m, n = x.shape[0], w.shape[1]
     x, w = _pad_for_tma(x, w, False, False)
-    empty = jnp.zeros((0,), x.dtype)  # "absent" to the handler
     call = jax.ffi.ffi_call(_ffi.GEMM_FUSED_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype))
-    return call(x, w, bias if has_bias else empty, residual if has_residual else empty,
+    return call(x, w, bias if has_bias else _absent(x.dtype), residual if has_residual else _absent(x.dtype),
                 transpose_a=np.int32(0), transpose_b=np.int32(0), activation=np.int32(ACTIVATIONS[activation]))
 
 
 def _eager_impl(*args, **params):
-    return jax.jit(lambda *a: dense_p.bind(*a, **params))(*args)
+    return jitted_bind(dense_p, **params)(*args)
 
 
 dense_p.def_impl(_eager_impl)
@@ -71,9 +82,7 @@ dense_p.def_abstract_eval(_abstract_eval)
 # Partitioned like gemm_p when the program spans devices (_sharding.py).
 mlir.register_lowering(dense_p, dense_lowering(_default_impl))
 mlir.register_lowering(dense_p, dense_lowering(_cuda_impl), platform="cuda")
-_devices_needed = getattr(jax._src.dispatch, "prim_requires_devices_during_lowering", None)
-if _devices_needed is not None:  # see _primitive.py
-    _devices_needed.add(dense_p)
+require_devices_at_lowering(dense_p)
 
 
 def fused_dense(x, w, bias=None, residual=None, *, activation=None):
@@ -82,8 +91,7 @@ def fused_dense(x, w, bias=None, residual=None, *, activation=None):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATIONS if a)} or None, "
                          f"got {activation!r}")
-    placeholder = jnp.zeros((0,), x.dtype)
-    operands = _match_varying_axes(x, w, placeholder if bias is None else bias,
-                                   placeholder if residual is None else residual)
+    operands = _match_varying_axes(x, w, _absent(x.dtype) if bias is None else bias,
+                                   _absent(x.dtype) if residual is None else residual)
     return dense_p.bind(*operands, activation=activation, has_bias=bias is not None,
                         has_residual=residual is not None)

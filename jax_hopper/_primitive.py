@@ -126,12 +126,13 @@ def _default_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
 
 
 @functools.cache
-def _jitted_bind(**params):
-    return jax.jit(functools.partial(gemm_p.bind, **params))
+def jitted_bind(primitive, **params):
+    """One compiled executable per (primitive, params) for eager calls."""
+    return jax.jit(functools.partial(primitive.bind, **params))
 
 
 def _eager_impl(a, b, **params):
-    return _jitted_bind(**params)(a, b)
+    return jitted_bind(gemm_p, **params)(a, b)
 
 
 gemm_p.def_impl(_eager_impl)
@@ -140,13 +141,19 @@ gemm_p.def_abstract_eval(_abstract_eval)
 # jnp.dot's would be (see _sharding.py); unsharded ones lower to the local product.
 mlir.register_lowering(gemm_p, sharded_lowering(_default_impl))
 mlir.register_lowering(gemm_p, sharded_lowering(_cuda_impl), platform="cuda")
-# custom_partitioning needs the device assignment while lowering, and jax (0.11)
-# lowers multi-device programs without one unless a primitive in the jaxpr asks for
-# it; ours binds custom_partitioning only inside its lowering rule, so it must ask,
-# as jax's own cuDNN primitives built the same way do.
-_devices_needed = getattr(jax._src.dispatch, "prim_requires_devices_during_lowering", None)
-if _devices_needed is not None:
-    _devices_needed.add(gemm_p)
+
+
+def require_devices_at_lowering(primitive) -> None:
+    """custom_partitioning needs the device assignment while lowering, and jax (0.11)
+    lowers multi-device programs without one unless a primitive in the jaxpr asks for it;
+    ours bind custom_partitioning only inside their lowering rules, so they must ask, as
+    jax's own cuDNN primitives built the same way do."""
+    registry = getattr(jax._src.dispatch, "prim_requires_devices_during_lowering", None)
+    if registry is not None:
+        registry.add(primitive)
+
+
+require_devices_at_lowering(gemm_p)
 
 
 def _varying_axes(x) -> frozenset:

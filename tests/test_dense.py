@@ -173,7 +173,7 @@ def test_mixed_types_promote_like_jnp_and_skip_the_kernel():
 
 
 def test_flax_layer_matches_linen_dense_with_the_same_parameters():
-    nn = pytest.importorskip("flax.linen")
+    nn = pytest.importorskip("flax.linen", reason="flax is not installed (pip install flax)")
     from jax_hopper.nn import Dense
 
     x = seed_normal(jax.random.key(6), (8, 16, 64), jnp.float32, 64)
