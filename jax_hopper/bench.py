@@ -330,8 +330,10 @@ def bench_tp_mlp(tokens, d_model, d_ff, dtype_name, n_devices, progress):
 def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
     """A transformer MLP block, y = gelu(x W1 + b1) W2 + b2 + x, as jax_hopper.dense
     (bias, GELU and residual fused into the kernel; our kernel forced) against the same
-    block in plain jnp (XLA fuses what it can into cuBLASLt's epilogues). Forward alone
-    and a training step (gradients of all parameters); kernel time (all kernels of the
+    block in plain jnp (XLA fuses what it can into cuBLASLt's epilogues). Forward alone,
+    a training step (gradients of all parameters), and the forward's parts one by one:
+    each dense with its epilogue, and the first product with no epilogue at all (what the
+    fused epilogue costs on top of the plain kernel). Kernel time (all kernels of the
     call) and sustained."""
     dtype = DTYPES[dtype_name]
     keys = jax.random.split(jax.random.key(0), 5)
@@ -340,6 +342,7 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
               (0.1 * jax.random.normal(keys[2], (d_ff,), jnp.float32)).astype(dtype),
               (jax.random.normal(keys[3], (d_ff, d_model), jnp.float32) / d_ff**0.5).astype(dtype),
               (0.1 * jax.random.normal(keys[4], (d_model,), jnp.float32)).astype(dtype))
+    hidden = jax.nn.gelu(x @ params[0] + params[1])  # the second dense's input, for its own rows
 
     def ours(x, p):
         with jax_hopper.dispatch("kernel"):  # read while jit traces
@@ -350,27 +353,44 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
         return jax.nn.gelu(x @ p[0] + p[1]) @ p[2] + p[3] + x
 
     def train(block):
-        return jax.grad(lambda x, p: jnp.mean(block(x, p).astype(jnp.float32) ** 2), argnums=1)
+        # 0.5 * sum(y^2): dy = y, unit scale (a mean would scale dy by 1/(tokens d_model),
+        # below the 16-bit range, and compare underflow with underflow).
+        return jax.grad(lambda x, p: 0.5 * jnp.sum(block(x, p).astype(jnp.float32) ** 2), argnums=1)
 
-    steps = {"forward": (ours, plain), "train": (train(ours), train(plain))}
+    def kernel_forced(f):
+        def run(xh, p):
+            with jax_hopper.dispatch("kernel"):
+                return f(xh, p)
+        return run
+
+    # step: (ours, plain, first argument, products in the step)
+    steps = {
+        "forward": (ours, plain, x, 2),
+        "train": (train(ours), train(plain), x, 5),  # + dW2, dh and dW1 (no gradient for x)
+        "dense1 bias+gelu": (kernel_forced(lambda xh, p: jax_hopper.dense(xh[0], p[0], p[1], activation="gelu_tanh")),
+                             lambda xh, p: jax.nn.gelu(xh[0] @ p[0] + p[1]), (x, hidden), 1),
+        "dense2 bias+resid": (kernel_forced(lambda xh, p: jax_hopper.dense(xh[1], p[2], p[3], residual=xh[0])),
+                              lambda xh, p: xh[1] @ p[2] + p[3] + xh[0], (x, hidden), 1),
+        "x@W1 no epilogue": (kernel_forced(lambda xh, p: jax_hopper.matmul(xh[0], p[0])),
+                             lambda xh, p: xh[0] @ p[0], (x, hidden), 1),
+    }
     rows = []
-    for step, (f_ours, f_plain) in steps.items():
+    for step, (f_ours, f_plain, first, products) in steps.items():
         variants = [JaxVariant("jax_hopper", f_ours), JaxVariant("jnp", f_plain)]
-        out_ours, out_ref = (jax.tree.leaves(v.fn(x, params)) for v in variants)
+        out_ours, out_ref = (jax.tree.leaves(v.fn(first, params)) for v in variants)
         err = max(float(jnp.linalg.norm(o.astype(jnp.float32) - r.astype(jnp.float32)) /
                         jnp.linalg.norm(r.astype(jnp.float32))) for o, r in zip(out_ours, out_ref))
         kernel = {v.name: [] for v in variants}
         for v in variants:
-            v.kernel_ms(x, params)
+            v.kernel_ms(first, params)
         for _ in range(KERNEL_SAMPLES):
             for v in variants:
-                kernel[v.name].append(v.kernel_ms(x, params))
+                kernel[v.name].append(v.kernel_ms(first, params))
             progress()
         kernel_med = {n: statistics.median(ts) for n, ts in kernel.items()}
-        sustained = {v.name: statistics.median(sustained_ms(v, [(x, params)], kernel_med[v.name])
+        sustained = {v.name: statistics.median(sustained_ms(v, [(first, params)], kernel_med[v.name])
                                                for _ in range(SUSTAINED_ROUNDS)) for v in variants}
-        # Two products forward; training adds dW2, dh and dW1 (no gradient for x).
-        flops = 2.0 * tokens * d_model * d_ff * (5 if step == "train" else 2)
+        flops = 2.0 * tokens * d_model * d_ff * products
         for v in variants:
             rows.append({
                 "batch": 0, "m": tokens, "n": d_ff, "k": d_model, "layout": f"mlp {step}", "dtype": dtype_name,

@@ -30,6 +30,7 @@ struct OutputParams {
   const void* bias;      // [n] or null
   const void* residual;  // [m][ld_residual] or null
   int64_t ld_residual;
+  bool paired_inputs;  // bias, residual and ld_residual allow two-element loads
   Activation activation;
 };
 
@@ -41,12 +42,14 @@ struct PairOf<__half> {
   using type = __half2;
   __device__ static type convert(float x, float y) { return __floats2half2_rn(x, y); }
   __device__ static void split(type p, __half& x, __half& y) { x = p.x, y = p.y; }
+  __device__ static float2 to_float2(type p) { return __half22float2(p); }
 };
 template <>
 struct PairOf<__nv_bfloat16> {
   using type = __nv_bfloat162;
   __device__ static type convert(float x, float y) { return __floats2bfloat162_rn(x, y); }
   __device__ static void split(type p, __nv_bfloat16& x, __nv_bfloat16& y) { x = p.x, y = p.y; }
+  __device__ static float2 to_float2(type p) { return __bfloat1622float2(p); }
 };
 template <class T>
 __device__ __forceinline__ uint32_t pack_pair(float x, float y) {
@@ -115,32 +118,52 @@ struct DirectStoreEpilogue {
 // The fused epilogue's arithmetic, on the f32 accumulator before any rounding:
 // acc = act(acc + bias[col]) + residual[row][col] (cuBLASLt's bias/activation epilogues
 // plus a residual add). One loop per activation, so the choice is not re-made per element.
+// The activations run on both consumer warpgroups at once while the tensor cores idle,
+// so they use the SFU's ex2/rcp approximations where the answer stays far below 16-bit
+// rounding: 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)) exactly, and ex2.approx / rcp.approx
+// keep 1 / (1 + exp(-y)) within |y| 2^-24 + a few ulp relative (2^-17 at |y| = 88, past
+// which exp overflows and the result is 0: truly below 1e-37) -- against 2^-11 (f16) and
+// 2^-8 (bf16) for the rounding that follows. Unlike 1 + tanhf(u), nothing cancels as the
+// result nears 0.
 template <class Cfg>
 struct FusedOps {
   using Element = typename Cfg::Element;
+  using Pair = PairOf<Element>;
   using Direct = DirectStoreEpilogue<Cfg>;
+
+  // x / (1 + exp(-y)): __expf is ex2.approx of y * log2(e); __fdividef is rcp.approx, and
+  // gives 0 for an infinite denominator (x finite), the limit.
+  __device__ static float times_sigmoid(float x, float y) { return __fdividef(x, 1.0f + __expf(-y)); }
 
   template <Activation kAct>
   __device__ static float activate(float v) {
     if constexpr (kAct == Activation::kRelu) {
       return fmaxf(v, 0.0f);
     } else if constexpr (kAct == Activation::kGeluTanh) {  // jax.nn.gelu(approximate=True)
-      constexpr float kSqrt2OverPi = 0.7978845608028654f;
+      constexpr float kTwoSqrt2OverPi = 2.0f * 0.7978845608028654f;
       constexpr float kCubic = 0.044715f;
-      return 0.5f * v * (1.0f + tanhf(kSqrt2OverPi * (v + kCubic * v * v * v)));
+      return times_sigmoid(v, kTwoSqrt2OverPi * fmaf(kCubic * v, v * v, v));
     } else if constexpr (kAct == Activation::kGeluErf) {  // jax.nn.gelu(approximate=False)
       constexpr float kInvSqrt2 = 0.7071067811865476f;
       return 0.5f * v * (1.0f + erff(v * kInvSqrt2));
-    } else if constexpr (kAct == Activation::kSilu) {  // x * sigmoid(x); rcp.rn: no division slow path
-      return v * __frcp_rn(1.0f + expf(-v));
+    } else if constexpr (kAct == Activation::kSilu) {  // jax.nn.silu: x * sigmoid(x)
+      return times_sigmoid(v, v);
     } else {
       return v;
     }
   }
 
+  // Elements col, col + 1 of a row as floats; pairs as one 4-byte load where allowed
+  // (col is always even), elements outside [0, n) as 0 and never read.
+  __device__ static float2 load_pair(const Element* row, int col, int n, bool paired) {
+    if (paired && col + 1 < n) return Pair::to_float2(*reinterpret_cast<const typename Pair::type*>(row + col));
+    return make_float2(col < n ? static_cast<float>(row[col]) : 0.0f,
+                       col + 1 < n ? static_cast<float>(row[col + 1]) : 0.0f);
+  }
+
   // Same fragment walk as DirectStoreEpilogue: rows r, r + 8 and columns
   // 8j + 2 (lane % 4) + {0, 1} of the warpgroup's 64-row block. Elements outside
-  // [m, n) are left alone (never stored) and their bias/residual never read.
+  // [m, n) are never stored, and their bias/residual never read.
   template <Activation kAct>
   __device__ static void apply_as(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0) {
     const auto* bias = static_cast<const Element*>(out.bias);
@@ -152,18 +175,20 @@ struct FusedOps {
     const int c = col0 + 2 * (lane % 4);
 #pragma unroll
     for (int j = 0; j < Direct::kColBlocks; ++j) {
+      const int col = c + j * Direct::kColsPerBlock;
+      const float2 b = bias != nullptr ? load_pair(bias, col, out.n, out.paired_inputs) : make_float2(0.0f, 0.0f);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = c + j * Direct::kColsPerBlock + e;
-        const bool col_ok = col < out.n;
-        const float b = bias != nullptr && col_ok ? static_cast<float>(bias[col]) : 0.0f;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = r + half * Direct::kHalfRows;
-          float& v = acc[4 * j + 2 * half + e];
-          v = activate<kAct>(v + b);
-          if (residual != nullptr && col_ok && row < out.m)
-            v += static_cast<float>(residual[static_cast<int64_t>(row) * out.ld_residual + col]);
+      for (int half = 0; half < 2; ++half) {
+        const int row = r + half * Direct::kHalfRows;
+        float& v0 = acc[4 * j + 2 * half];
+        float& v1 = acc[4 * j + 2 * half + 1];
+        v0 = activate<kAct>(v0 + b.x);
+        v1 = activate<kAct>(v1 + b.y);
+        if (residual != nullptr && row < out.m) {
+          const float2 add = load_pair(residual + static_cast<int64_t>(row) * out.ld_residual, col, out.n,
+                                       out.paired_inputs);
+          v0 += add.x;
+          v1 += add.y;
         }
       }
     }

@@ -160,9 +160,12 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   const size_t c_bytes = args.c_f32 ? sizeof(float) : sizeof(typename Cfg::Element);
   const bool paired = args.ldc % 2 == 0 && args.batch_stride_c % 2 == 0 &&
                       reinterpret_cast<uintptr_t>(args.c) % (2 * c_bytes) == 0;
+  constexpr size_t kPairBytes = 2 * sizeof(typename Cfg::Element);
+  const bool paired_inputs = reinterpret_cast<uintptr_t>(args.bias) % kPairBytes == 0 &&
+                             reinterpret_cast<uintptr_t>(args.residual) % kPairBytes == 0 && args.ld_residual % 2 == 0;
   const OutputParams out{args.c,        args.ldc,      args.batch_stride_c,   static_cast<int>(args.m),
                          static_cast<int>(args.n), args.c_f32, paired, tma_store, args.bias, args.residual,
-                         args.ld_residual,         args.activation};
+                         args.ld_residual,         paired_inputs,  args.activation};
   const SchedulerOf<Cfg> scheduler{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
                                    static_cast<int>(ceil_div(args.n, Cfg::kBlockN)), static_cast<int>(args.batch)};
   const int k_tiles = static_cast<int>(ceil_div(args.k, Cfg::kBlockK));
