@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.interpreters import ad
 
 from jax_hopper._fallback import ACTIVATION_FNS
-from jax_hopper._fused import dense_p
+from jax_hopper._fused import dense_p, fused_dense
 from jax_hopper._primitive import gemm, gemm_p
 
 
@@ -51,34 +51,43 @@ ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)
 
 
 # ---- the fused dense primitive ------------------------------------------------------
-# y = act(z) + r with z = x w + b, all in f32 before one rounding. Its JVP is
+# y = act(z) + r with z = x w + b. Its JVP is
 #   dy = act'(z) (dx w + x dw + db) + dr,
-# built from gemm_p (so the forward and backward products run our kernel: reverse mode
-# transposes these gemm_p's into the NT/TN products above) and jnp elementwise ops.
-# Under differentiation the forward is therefore a plain product with an f32 output
-# (z, saved for act') followed by XLA's elementwise pass, not the fused kernel: fusing
-# act' into the epilogue of the product that consumes it is not done yet.
+# with the tangent products on gemm_p (reverse mode transposes them into the NT/TN
+# products above: every backward product runs our kernel) in the operands' type, so
+# the backward pass moves 16-bit cotangents only, as jnp.dot's does.
+# Without an activation y is linear in z: the primal stays one fused call (bias and
+# residual in the epilogue). With one, act' needs z: the kernel produces z (bias fused)
+# rounded to the operands' type -- jnp's own rounding point, and the cheapest thing to
+# save (recomputing z would cost a product) -- and XLA applies act and the residual in
+# one elementwise pass; under differentiation y thus carries one more rounding than the
+# undifferentiated fused call. act' is applied by XLA in the backward pass too: fusing
+# it into the epilogue of the product that produces the cotangent is not done.
 def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
     x, w, bias, residual = primals
     dx, dw, dbias, dresidual = tangents
     f32 = jnp.float32
-    z = gemm(x, w, out_dtype=f32)
-    if has_bias:
-        z = z + bias.astype(f32)
     dz = None
-    for tangent, product in ((dx, lambda t: gemm(t, w, out_dtype=f32)), (dw, lambda t: gemm(x, t, out_dtype=f32))):
+    for tangent, product in ((dx, lambda t: gemm(t, w)), (dw, lambda t: gemm(x, t))):
         if not isinstance(tangent, ad.Zero):
             dz = product(tangent) if dz is None else dz + product(tangent)
     if has_bias and not isinstance(dbias, ad.Zero):
-        dz = dbias.astype(f32) if dz is None else dz + dbias.astype(f32)
+        dz = dbias if dz is None else dz + dbias
     if dz is None:
-        dz = jnp.zeros_like(z)
-    y, dy = jax.jvp(ACTIVATION_FNS[activation], (z,), (dz,))
-    if has_residual:
-        y = y + residual.astype(f32)
-        if not isinstance(dresidual, ad.Zero):
-            dy = dy + dresidual.astype(f32)
-    return y.astype(x.dtype), dy.astype(x.dtype)
+        dz = jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
+    optional_bias = bias if has_bias else None
+    if activation is None:
+        y = fused_dense(x, w, optional_bias, residual if has_residual else None)
+        dy = dz
+    else:
+        z = fused_dense(x, w, optional_bias, None)
+        y, dy = jax.jvp(ACTIVATION_FNS[activation], (z.astype(f32),), (dz.astype(f32),))
+        if has_residual:
+            y = y + residual.astype(f32)
+        y, dy = y.astype(x.dtype), dy.astype(x.dtype)
+    if has_residual and not isinstance(dresidual, ad.Zero):
+        dy = dy + dresidual
+    return y, dy
 
 
 ad.primitive_jvps[dense_p] = _dense_jvp
