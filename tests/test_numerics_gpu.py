@@ -33,6 +33,8 @@ SHAPES = [
     (3000, 1, 256),  # N = 1 (padded row of B)
     (300, 200, 40),  # K < 64
     (64, 64, 8),  # K = 8: a single wgmma's worth, mostly zero-filled tile
+    (64, 64, 1),  # K = 1: zero-padded to one TMA row
+    (1, 1, 1),
     (100, 101, 103),  # rows TMA cannot describe: padded to 16 bytes
     (8191, 8191, 8191),
     (256, 512, 4096 + 64 * 3),  # many K tiles: the ring wraps many times, odd count
