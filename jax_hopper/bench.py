@@ -332,7 +332,7 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
     (bias, GELU and residual fused into the kernel; our kernel forced) against the same
     block in plain jnp (XLA fuses what it can into cuBLASLt's epilogues). Forward alone,
     a training step (gradients of all parameters), and the forward's parts one by one:
-    each dense with its epilogue, and the first product with no epilogue at all (what the
+    each dense with its epilogue, and each product with no epilogue at all (what the
     fused epilogue costs on top of the plain kernel). Kernel time (all kernels of the
     call) and sustained."""
     dtype = DTYPES[dtype_name]
@@ -373,6 +373,8 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
                               lambda xh, p: xh[1] @ p[2] + p[3] + xh[0], (x, hidden), 1),
         "x@W1 no epilogue": (kernel_forced(lambda xh, p: jax_hopper.matmul(xh[0], p[0])),
                              lambda xh, p: xh[0] @ p[0], (x, hidden), 1),
+        "h@W2 no epilogue": (kernel_forced(lambda xh, p: jax_hopper.matmul(xh[1], p[2])),
+                             lambda xh, p: xh[1] @ p[2], (x, hidden), 1),
     }
     rows = []
     for step, (f_ours, f_plain, first, products) in steps.items():
