@@ -30,9 +30,10 @@ F32 = jnp.dtype(jnp.float32)
 
 def _struct(x):
     """Abstract stand-in for jax.eval_shape; non-arrays are left for jax to judge. jax
-    arrays and tracers go as they are: their type may carry an explicit sharding, and
-    jax's checks of it (a contracting dimension sharded without out_sharding) must run."""
-    if isinstance(x, jax.Array):
+    arrays, tracers and ShapeDtypeStructs go as they are: their type may carry an
+    explicit sharding, and jax's checks of it (a contracting dimension sharded without
+    out_sharding) must run."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
         return x
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)

@@ -145,6 +145,9 @@ def test_explicit_axis_types_behave_like_jnp():
         # path once took such operands and XLA aborted compiling the partitioned call).
         with pytest.raises(Exception, match="out_sharding"):
             jax_hopper.dispatch_path(a_k, b_k, DN)
+        with pytest.raises(Exception, match="out_sharding"):
+            jax_hopper.dispatch_path(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in (a_k, b_k)),
+                                     DN)
         out = jax.jit(lambda x, y: jax_hopper.matmul(x, y, out_sharding=P()))(a_k, b_k)
         want = jax.jit(lambda x, y: jnp.matmul(x, y, out_sharding=P()))(a_k, b_k)
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
