@@ -93,6 +93,15 @@ struct EpilogueStorage {
 template <class Cfg>
 struct EpilogueStorage<Cfg, false> {};
 
+// The fused epilogue's bias slice of the current tile, one 16-bit pair per thread of
+// each consumer warpgroup (FusedOps::prefetch / apply).
+template <class Cfg, bool = Cfg::kFusedEpilogue>
+struct FusedStorage {
+  uint32_t bias[Cfg::kConsumerWarpgroups][hopper::kWarpgroupSize];
+};
+template <class Cfg>
+struct FusedStorage<Cfg, false> {};
+
 template <class Cfg>
 struct SharedStorage {
   struct alignas(kSmemAlignment) Stage {
@@ -101,6 +110,7 @@ struct SharedStorage {
   };
   Stage stages[Cfg::kStages];
   EpilogueStorage<Cfg> epilogue;
+  FusedStorage<Cfg> fused;
   uint64_t full[Cfg::kStages];   // TMA -> consumers: the stage holds fresh data
   uint64_t empty[Cfg::kStages];  // consumers -> TMA: the stage may be overwritten
 };

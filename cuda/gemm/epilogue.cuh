@@ -30,7 +30,7 @@ struct OutputParams {
   const void* bias;      // [n] or null
   const void* residual;  // [m][ld_residual] or null
   int64_t ld_residual;
-  bool paired_inputs;  // bias, residual and ld_residual allow two-element loads
+  bool paired_inputs;  // bias, residual, ld_residual and n allow two-element loads
   Activation activation;
 };
 
@@ -161,51 +161,138 @@ struct FusedOps {
                        col + 1 < n ? static_cast<float>(row[col + 1]) : 0.0f);
   }
 
+  // Read after the mainloop, each bias or residual element would be a global load on
+  // the tile's critical path, and the loads of one thread come one after another (each
+  // feeds the next element's arithmetic). So, before the mainloop: thread t loads the
+  // bias pair at columns col0 + 2t (one register held through the mainloop; apply
+  // shares the pairs through shared memory) and asks L2 for its part of the residual
+  // rows (two threads per row, two 128-byte lines each: 64 rows x 512 bytes).
+  static constexpr int kThreadsPerResidualRow = hopper::kWarpgroupSize / Cfg::kWarpgroupM;  // 2
+  static constexpr int kLineElements = 128 / sizeof(Element);
+  static constexpr int kResidualLinesPerThread = Cfg::kBlockN / kThreadsPerResidualRow / kLineElements;  // 2
+
+  __device__ static uint32_t prefetch(const OutputParams& out, int row0, int col0) {
+    const int t = hopper::thread_in_warpgroup();
+    if (out.residual != nullptr) {
+      const int row = row0 + t / kThreadsPerResidualRow;
+      const int col = col0 + (t % kThreadsPerResidualRow) * kResidualLinesPerThread * kLineElements;
+      if (row < out.m) {
+        const auto* line =
+            static_cast<const Element*>(out.residual) + static_cast<int64_t>(row) * out.ld_residual + col;
+#pragma unroll
+        for (int i = 0; i < kResidualLinesPerThread; ++i)
+          if (col + i * kLineElements < out.n) hopper::prefetch_l2(line + i * kLineElements);
+      }
+    }
+    if (out.bias == nullptr) return 0;
+    const float2 b = load_pair(static_cast<const Element*>(out.bias), col0 + 2 * t, out.n, out.paired_inputs);
+    return pack_pair<Element>(b.x, b.y);  // exact: both were Element values
+  }
+
+  __device__ static float2 unpack(uint32_t raw) {
+    return Pair::to_float2(*reinterpret_cast<const typename Pair::type*>(&raw));
+  }
+
+  // Residual elements col, col + 1 of a row as raw 16-bit bits (element col in the low
+  // half), 0 where outside the row or [0, n). Written as selects, not branches, so the
+  // loads of a chunk can all be in flight at once. kPaired: one 4-byte load (n even,
+  // rows 4-byte aligned: col < n covers both).
+  template <bool kPaired>
+  __device__ static uint32_t load_raw(const Element* row, bool row_ok, int col, int n) {
+    if constexpr (kPaired) {
+      return row_ok && col < n ? *reinterpret_cast<const uint32_t*>(row + col) : 0u;
+    } else {
+      const auto* bits = reinterpret_cast<const uint16_t*>(row);
+      const uint32_t lo = row_ok && col < n ? bits[col] : 0u;
+      const uint32_t hi = row_ok && col + 1 < n ? bits[col + 1] : 0u;
+      return lo | (hi << 16);
+    }
+  }
+
   // Same fragment walk as DirectStoreEpilogue: rows r, r + 8 and columns
   // 8j + 2 (lane % 4) + {0, 1} of the warpgroup's 64-row block. Elements outside
-  // [m, n) are never stored, and their bias/residual never read.
-  template <Activation kAct>
-  __device__ static void apply_as(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0) {
-    const auto* bias = static_cast<const Element*>(out.bias);
+  // [m, n) are never stored (their residual reads as 0, never loaded); `tile_bias`
+  // (null without a bias) holds the tile's bias pairs, 0 past n. The residual is read a
+  // chunk of column blocks at a time, every load of the chunk issued before its first use.
+  static constexpr int kResidualChunk = 4;  // column blocks: 8 loads (8 registers) in flight
+  template <Activation kAct, bool kPaired>
+  __device__ static void apply_as(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
+                                  const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias) {
+    static_assert(Direct::kColBlocks % kResidualChunk == 0, "whole chunks of column blocks");
     const auto* residual = static_cast<const Element*>(out.residual);
     const int t = hopper::thread_in_warpgroup();
     const int warp = t / hopper::kWarpSize;
     const int lane = t % hopper::kWarpSize;
     const int r = row0 + warp * Direct::kRowsPerWarp + lane / 4;
     const int c = col0 + 2 * (lane % 4);
+    const Element* rows[2];
+    bool row_ok[2];
 #pragma unroll
-    for (int j = 0; j < Direct::kColBlocks; ++j) {
-      const int col = c + j * Direct::kColsPerBlock;
-      const float2 b = bias != nullptr ? load_pair(bias, col, out.n, out.paired_inputs) : make_float2(0.0f, 0.0f);
+    for (int half = 0; half < 2; ++half) {
+      const int row = r + half * Direct::kHalfRows;
+      row_ok[half] = residual != nullptr && row < out.m;
+      // Never loaded from unless row_ok (an absent residual has ld_residual 0: null + 0).
+      rows[half] = residual + static_cast<int64_t>(row) * out.ld_residual;
+    }
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = r + half * Direct::kHalfRows;
-        float& v0 = acc[4 * j + 2 * half];
-        float& v1 = acc[4 * j + 2 * half + 1];
-        v0 = activate<kAct>(v0 + b.x);
-        v1 = activate<kAct>(v1 + b.y);
-        if (residual != nullptr && row < out.m) {
-          const float2 add = load_pair(residual + static_cast<int64_t>(row) * out.ld_residual, col, out.n,
-                                       out.paired_inputs);
-          v0 += add.x;
-          v1 += add.y;
+    for (int j0 = 0; j0 < Direct::kColBlocks; j0 += kResidualChunk) {
+      uint32_t res[kResidualChunk][2];
+#pragma unroll
+      for (int i = 0; i < kResidualChunk; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          res[i][half] = load_raw<kPaired>(rows[half], row_ok[half], c + (j0 + i) * Direct::kColsPerBlock, out.n);
+#pragma unroll
+      for (int i = 0; i < kResidualChunk; ++i) {
+        const int j = j0 + i;
+        // Pair index (col - col0) / 2 = lane % 4 + 4j: lanes with equal lane % 4 read
+        // one word (broadcast).
+        const float2 b = has_bias ? unpack(bias_smem[lane % 4 + j * Direct::kColsPerBlock / 2])
+                                  : make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float2 add = unpack(res[i][half]);
+          float& v0 = acc[4 * j + 2 * half];
+          float& v1 = acc[4 * j + 2 * half + 1];
+          v0 = activate<kAct>(v0 + b.x) + add.x;
+          v1 = activate<kAct>(v1 + b.y) + add.y;
         }
       }
     }
   }
 
-  __device__ static void apply(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0) {
+  template <Activation kAct>
+  __device__ static void apply_as(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
+                                  const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias) {
+    if (out.paired_inputs) {
+      apply_as<kAct, true>(acc, out, row0, col0, bias_smem, has_bias);
+    } else {
+      apply_as<kAct, false>(acc, out, row0, col0, bias_smem, has_bias);
+    }
+  }
+
+  // `bias_pair` is what prefetch returned for this tile; `bias_smem` this warpgroup's
+  // slot array, `barrier` a named barrier of this warpgroup alone.
+  __device__ static void apply(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
+                               uint32_t bias_pair, uint32_t (&bias_smem)[hopper::kWarpgroupSize],
+                               uint32_t barrier) {
+    const bool has_bias = out.bias != nullptr;
+    if (has_bias) {
+      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);  // the last tile's readers are done
+      bias_smem[hopper::thread_in_warpgroup()] = bias_pair;
+      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
+    }
     switch (out.activation) {
       case Activation::kRelu:
-        return apply_as<Activation::kRelu>(acc, out, row0, col0);
+        return apply_as<Activation::kRelu>(acc, out, row0, col0, bias_smem, has_bias);
       case Activation::kGeluTanh:
-        return apply_as<Activation::kGeluTanh>(acc, out, row0, col0);
+        return apply_as<Activation::kGeluTanh>(acc, out, row0, col0, bias_smem, has_bias);
       case Activation::kGeluErf:
-        return apply_as<Activation::kGeluErf>(acc, out, row0, col0);
+        return apply_as<Activation::kGeluErf>(acc, out, row0, col0, bias_smem, has_bias);
       case Activation::kSilu:
-        return apply_as<Activation::kSilu>(acc, out, row0, col0);
+        return apply_as<Activation::kSilu>(acc, out, row0, col0, bias_smem, has_bias);
       default:
-        return apply_as<Activation::kNone>(acc, out, row0, col0);
+        return apply_as<Activation::kNone>(acc, out, row0, col0, bias_smem, has_bias);
     }
   }
 };

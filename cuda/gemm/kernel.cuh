@@ -68,6 +68,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     WorkCursor<Cfg::kStreamK> cursor(work, cluster);
     for (WorkUnit unit; cursor.next(unit);) {
       const TileCoord tile = scheduler.tile(unit.tile, cta_rank);
+      const int row0 = tile.m_block * Cfg::kBlockM + warpgroup * Cfg::kWarpgroupM;
+      const int col0 = tile.n_block * Cfg::kBlockN;
+      uint32_t bias_pair = 0;
+      if constexpr (Cfg::kFusedEpilogue) bias_pair = FusedOps<Cfg>::prefetch(out, row0, col0);
       float acc[Cfg::kAccumulators];
       Main::mma(pipe, smem, warpgroup, unit.k_end - unit.k_begin, acc, read);
       if constexpr (Cfg::kStreamK) {
@@ -82,9 +86,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             if (work.has_tail_work(r)) Fixup::accumulate(acc, stream_k, work.cluster_of(r), cta_rank, warpgroup);
         }
       }
-      const int row0 = tile.m_block * Cfg::kBlockM + warpgroup * Cfg::kWarpgroupM;
-      const int col0 = tile.n_block * Cfg::kBlockN;
-      if constexpr (Cfg::kFusedEpilogue) FusedOps<Cfg>::apply(acc, out, row0, col0);
+      if constexpr (Cfg::kFusedEpilogue)
+        FusedOps<Cfg>::apply(acc, out, row0, col0, bias_pair, smem.fused.bias[warpgroup],
+                             Cfg::kFirstEpilogueBarrier + warpgroup);
       if constexpr (Cfg::kTmaStoreEpilogue) {
         Epilogue::store(acc, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, tile.batch, row0, col0);
       } else {

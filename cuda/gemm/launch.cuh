@@ -162,7 +162,8 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
                       reinterpret_cast<uintptr_t>(args.c) % (2 * c_bytes) == 0;
   constexpr size_t kPairBytes = 2 * sizeof(typename Cfg::Element);
   const bool paired_inputs = reinterpret_cast<uintptr_t>(args.bias) % kPairBytes == 0 &&
-                             reinterpret_cast<uintptr_t>(args.residual) % kPairBytes == 0 && args.ld_residual % 2 == 0;
+                             reinterpret_cast<uintptr_t>(args.residual) % kPairBytes == 0 && args.ld_residual % 2 == 0 &&
+                             args.n % 2 == 0;
   const OutputParams out{args.c,        args.ldc,      args.batch_stride_c,   static_cast<int>(args.m),
                          static_cast<int>(args.n), args.c_f32, paired, tma_store, args.bias, args.residual,
                          args.ld_residual,         paired_inputs,  args.activation};

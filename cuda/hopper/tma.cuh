@@ -14,6 +14,12 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* tmap)
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
 }
 
+// Asks L2 for the 128-byte line holding `p` (no register, no completion to wait for):
+// plain loads issued later then hit L2 instead of DRAM.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<uint64_t>(p)));
+}
+
 // 3-D tile load: coordinates are (innermost, outer, batch) in elements.
 __device__ __forceinline__ void tma_load_3d(void* smem_dst, const CUtensorMap* tmap, uint64_t* bar,
                                             int32_t inner, int32_t outer, int32_t batch) {
