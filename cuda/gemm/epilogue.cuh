@@ -166,7 +166,7 @@ struct FusedOps {
   // feeds the next element's arithmetic). So, before the mainloop: thread t loads the
   // bias pair at columns col0 + 2t (one register held through the mainloop; apply
   // shares the pairs through shared memory) and asks L2 for its part of the residual
-  // rows (two threads per row, two 128-byte lines each: 64 rows x 512 bytes).
+  // rows (two threads per row, 256 bytes each: 64 rows x 512 bytes).
   static constexpr int kThreadsPerResidualRow = hopper::kWarpgroupSize / Cfg::kWarpgroupM;  // 2
   static constexpr int kLineElements = 128 / sizeof(Element);
   static constexpr int kResidualLinesPerThread = Cfg::kBlockN / kThreadsPerResidualRow / kLineElements;  // 2
@@ -176,12 +176,16 @@ struct FusedOps {
     if (out.residual != nullptr) {
       const int row = row0 + t / kThreadsPerResidualRow;
       const int col = col0 + (t % kThreadsPerResidualRow) * kResidualLinesPerThread * kLineElements;
-      if (row < out.m) {
-        const auto* line =
+      if (row < out.m && col < out.n) {
+        const auto* span =
             static_cast<const Element*>(out.residual) + static_cast<int64_t>(row) * out.ld_residual + col;
+        // The span need not start on a line: its first element of every line's worth,
+        // and its last element, cover all the lines it touches.
+        const int last = min(kResidualLinesPerThread * kLineElements, out.n - col) - 1;
 #pragma unroll
         for (int i = 0; i < kResidualLinesPerThread; ++i)
-          if (col + i * kLineElements < out.n) hopper::prefetch_l2(line + i * kLineElements);
+          if (i * kLineElements <= last) hopper::prefetch_l2(span + i * kLineElements);
+        hopper::prefetch_l2(span + last);
       }
     }
     if (out.bias == nullptr) return 0;
@@ -194,26 +198,29 @@ struct FusedOps {
   }
 
   // Residual elements col, col + 1 of a row as raw 16-bit bits (element col in the low
-  // half), 0 where outside the row or [0, n). Written as selects, not branches, so the
-  // loads of a chunk can all be in flight at once. kPaired: one 4-byte load (n even,
-  // rows 4-byte aligned: col < n covers both).
+  // half); -0 where there is none (outside the row or [0, n), or no residual at all):
+  // x + (-0) is x for every x, -0 included, so adding it changes nothing. Written as
+  // selects, not branches, so the loads of a chunk can all be in flight at once.
+  // kPaired: one 4-byte load (n even, rows 4-byte aligned: col < n covers both).
+  static constexpr uint32_t kNegativeZero = 0x8000;  // sign bit of f16 and bf16
+  static constexpr uint32_t kNegativeZeroPair = kNegativeZero | (kNegativeZero << 16);
   template <bool kPaired>
   __device__ static uint32_t load_raw(const Element* row, bool row_ok, int col, int n) {
     if constexpr (kPaired) {
-      return row_ok && col < n ? *reinterpret_cast<const uint32_t*>(row + col) : 0u;
+      return row_ok && col < n ? *reinterpret_cast<const uint32_t*>(row + col) : kNegativeZeroPair;
     } else {
       const auto* bits = reinterpret_cast<const uint16_t*>(row);
-      const uint32_t lo = row_ok && col < n ? bits[col] : 0u;
-      const uint32_t hi = row_ok && col + 1 < n ? bits[col + 1] : 0u;
+      const uint32_t lo = row_ok && col < n ? bits[col] : kNegativeZero;
+      const uint32_t hi = row_ok && col + 1 < n ? bits[col + 1] : kNegativeZero;
       return lo | (hi << 16);
     }
   }
 
   // Same fragment walk as DirectStoreEpilogue: rows r, r + 8 and columns
   // 8j + 2 (lane % 4) + {0, 1} of the warpgroup's 64-row block. Elements outside
-  // [m, n) are never stored (their residual reads as 0, never loaded); `tile_bias`
-  // (null without a bias) holds the tile's bias pairs, 0 past n. The residual is read a
-  // chunk of column blocks at a time, every load of the chunk issued before its first use.
+  // [m, n) are never stored (their residual is never loaded); `bias_smem` (read only
+  // with has_bias) holds the tile's bias pairs, 0 past n. The residual is read a chunk
+  // of column blocks at a time, every load of the chunk issued before its first use.
   static constexpr int kResidualChunk = 4;  // column blocks: 8 loads (8 registers) in flight
   template <Activation kAct, bool kPaired>
   __device__ static void apply_as(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
@@ -248,7 +255,7 @@ struct FusedOps {
         // Pair index (col - col0) / 2 = lane % 4 + 4j: lanes with equal lane % 4 read
         // one word (broadcast).
         const float2 b = has_bias ? unpack(bias_smem[lane % 4 + j * Direct::kColsPerBlock / 2])
-                                  : make_float2(0.0f, 0.0f);
+                                  : make_float2(-0.0f, -0.0f);  // x + (-0) = x: a -0 product stays -0
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const float2 add = unpack(res[i][half]);
