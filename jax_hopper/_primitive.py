@@ -30,10 +30,15 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # multicasting B, TMA-store epilogue overlapping the next tile, setmaxnreg), the
 # default; its ablations, each without one technique, and the experimental stream-K
 # tail (f16, jnp.dot's layout only).
+# The opt-in f16-accumulating kind (256x256 tiles, four consumer warpgroups; f16 only)
+# is reached through accumulation="f16" on the public ops.
 KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3, "persistent_wait0": 4,
-           "persistent_streamk": 6}  # 5 is the fused kind, reached through jax_hopper.dense only
+           "persistent_streamk": 6, "persistent_f16acc": 7}  # 5 is the fused kind, reached through jax_hopper.dense only
 DEFAULT_KERNEL = "persistent"
+F16_ACCUMULATION_KERNEL = "persistent_f16acc"
 DEFAULT_STAGES = 4
+# Kinds compiled with another ring depth (instances.def): 64 KB stages leave room for 3.
+KERNEL_STAGES = {F16_ACCUMULATION_KERNEL: 3}
 # TMA needs 16-byte global row strides: a stored row of 16-bit elements must hold a
 # multiple of 8 of them. Shorter rows are padded on the way into the custom call.
 TMA_ROW_MULTIPLE = 8
@@ -186,15 +191,18 @@ def _match_varying_axes(*xs):
 
 
 def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, out_dtype=None,
-         kernel: str = DEFAULT_KERNEL, stages: int = DEFAULT_STAGES):
+         kernel: str = DEFAULT_KERNEL, stages: int | None = None):
     """Binds the primitive (operands already validated by the public ops).
 
     `kernel` and `stages` pick a compiled instance (cuda/gemm/instances.def); the V5
     kernel exists for f16/bf16 in jnp.dot's layout only (its 2- and 3-stage depths for
-    f16 only), the persistent one in every layout with 4 stages.
+    f16 only), the persistent one in every layout with 4 stages, the f16-accumulating
+    one for f16 in every layout with 3. `stages=None` takes the kernel's own depth.
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    if stages is None:
+        stages = KERNEL_STAGES.get(kernel, DEFAULT_STAGES)
     out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
     a, b = _match_varying_axes(a, b)
     return gemm_p.bind(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b), out_dtype=out_dtype,

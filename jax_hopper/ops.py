@@ -8,6 +8,12 @@ definition jax's. Then:
     the GEMM primitive (our kernel on Hopper, XLA's dot elsewhere) or XLA's own dot,
     by a table of measured rules;
   - anything else: the jax function itself, unchanged.
+
+accumulation="f16" (an explicit opt-in, never the default) runs eligible f16 products
+on the f16-accumulating kernel whatever the dispatcher's table says (the tutorial's
+final version: faster, with an error that grows with K -- README, "f16 accumulation").
+Where our kernel does not run (policy "xla", no Hopper GPU) the product is XLA's, with
+f32 sums.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from jax import lax
 # _autodiff and _batching are imported for their side effect: they register the rules.
 from jax_hopper import _autodiff, _batching, _dispatch  # noqa: F401
 from jax_hopper._dimension_numbers import plan_dot_general
-from jax_hopper._primitive import KERNEL_DTYPES, gemm
+from jax_hopper._primitive import DEFAULT_KERNEL, F16_ACCUMULATION_KERNEL, KERNEL_DTYPES, gemm
 
 F32 = jnp.dtype(jnp.float32)
 
@@ -92,31 +98,63 @@ def _problem(plan, lhs, out):
                                 plan.transpose_b)
 
 
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None):
-    """``lax.dot_general`` on the Hopper kernel; same signature and semantics."""
+ACCUMULATIONS = ("f32", "f16")
+F16 = jnp.dtype(jnp.float16)
+
+
+def _check_accumulation(name, accumulation, lhs, rhs, precision):
+    if accumulation not in ACCUMULATIONS:
+        raise ValueError(f"jax_hopper.{name}: accumulation must be one of {ACCUMULATIONS}, got {accumulation!r}")
+    if accumulation == "f16":
+        if not (_is_array(lhs, True) and _is_array(rhs, True) and lhs.dtype == F16 and rhs.dtype == F16):
+            raise TypeError(f"jax_hopper.{name}(accumulation='f16') takes two f16 arrays (wgmma has no bf16 "
+                            f"accumulator), got {_describe(lhs)} and {_describe(rhs)}")
+        if precision not in (None, lax.Precision.DEFAULT, "default", "DEFAULT"):
+            raise ValueError(f"jax_hopper.{name}: accumulation='f16' does not meet precision={precision!r}")
+
+
+def _path(plan, lhs, out, accumulation) -> tuple[str, str]:
+    """(path, rule): the dispatcher's, except that an f16 accumulation asked for runs
+    our kernel wherever the policy lets it."""
+    if accumulation == "f16" and _dispatch.current_policy() != "xla":
+        return "kernel", "accumulation=f16"
+    return _dispatch.choose(_problem(plan, lhs, out))
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None,
+                accumulation="f32"):
+    """``lax.dot_general`` on the Hopper kernel; same signature and semantics.
+
+    ``accumulation="f16"`` (f16 operands only) opts into the f16-accumulating kernel:
+    see the module docstring.
+    """
+    _check_accumulation("dot_general", accumulation, lhs, rhs, precision)
     if out_sharding is not None:
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                                out_sharding=out_sharding)
     fn, out, plan = _planned("dot_general", lhs, rhs, dimension_numbers, precision, preferred_element_type)
-    if plan is None or _dispatch.choose(_problem(plan, lhs, out))[0] == "xla":
+    if plan is None or _path(plan, lhs, out, accumulation)[0] == "xla":
         return fn(lhs, rhs)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     a = lhs if plan.lhs_perm is None else jnp.transpose(lhs, plan.lhs_perm)
     b = rhs if plan.rhs_perm is None else jnp.transpose(rhs, plan.rhs_perm)
     c = gemm(a.reshape(plan.lhs_shape), b.reshape(plan.rhs_shape), transpose_a=plan.transpose_a,
-             transpose_b=plan.transpose_b, out_dtype=out.dtype)
+             transpose_b=plan.transpose_b, out_dtype=out.dtype,
+             kernel=F16_ACCUMULATION_KERNEL if accumulation == "f16" else DEFAULT_KERNEL)
     return c.reshape(plan.out_shape)
 
 
-def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None) -> tuple[str, str]:
+def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
+                  accumulation="f32") -> tuple[str, str]:
     """Which path ``dot_general`` takes for these operands (arrays or ShapeDtypeStructs)
     under the current policy: ("kernel" | "xla", the dispatcher rule), or ("jax", why)
     when the product is not eligible."""
+    _check_accumulation("dispatch_path", accumulation, lhs, rhs, precision)
     _, out, plan = _planned("dot_general", lhs, rhs, dimension_numbers, precision, preferred_element_type,
                             abstract_ok=True)
     if plan is None:
         return "jax", "not eligible (dtypes, precision or operand types)"
-    return _dispatch.choose(_problem(plan, lhs, out))
+    return _path(plan, lhs, out, accumulation)
 
 
 def _promote(a, b):
@@ -124,8 +162,9 @@ def _promote(a, b):
     return jnp.asarray(a, dtype), jnp.asarray(b, dtype)
 
 
-def dot(a, b, *, precision=None, preferred_element_type=None, out_sharding=None):
-    """``jnp.dot`` on the Hopper kernel (N-D ``x @ W`` included); same semantics."""
+def dot(a, b, *, precision=None, preferred_element_type=None, out_sharding=None, accumulation="f32"):
+    """``jnp.dot`` on the Hopper kernel (N-D ``x @ W`` included); same semantics.
+    ``accumulation="f16"``: see ``dot_general``."""
     fn = functools.partial(jnp.dot, precision=precision, preferred_element_type=preferred_element_type)
     if out_sharding is not None:
         return fn(a, b, out_sharding=out_sharding)
@@ -134,11 +173,13 @@ def dot(a, b, *, precision=None, preferred_element_type=None, out_sharding=None)
         return fn(a, b)  # scalar products are elementwise
     a, b = _promote(a, b)
     contract = ((a.ndim - 1,), (max(b.ndim - 2, 0),))
-    return dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=preferred_element_type)
+    return dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=preferred_element_type,
+                       accumulation=accumulation)
 
 
-def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=None):
+def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=None, accumulation="f32"):
     """``jnp.matmul`` on the Hopper kernel (batch broadcasting included); same semantics.
+    ``accumulation="f16"``: see ``dot_general``.
 
     2-D operands: C = A @ B. Leading dims of `a` against a 2-D `b` fold into M (one
     plain GEMM); batched `b` makes one batched launch over the broadcast batch.
@@ -151,7 +192,7 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
                         f"{type(a).__name__} and {type(b).__name__}")
     _check("matmul", fn, a, b)
     a, b = _promote(a, b)
-    kw = dict(precision=precision, preferred_element_type=preferred_element_type)
+    kw = dict(precision=precision, preferred_element_type=preferred_element_type, accumulation=accumulation)
     a_vec, b_vec = a.ndim == 1, b.ndim == 1
     a2 = a[None, :] if a_vec else a
     b2 = b[:, None] if b_vec else b

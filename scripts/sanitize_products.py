@@ -19,6 +19,8 @@ CASES = [  # (kernel, dtype, batch, m, n, k, transpose_a, transpose_b, out_dtype
     ("persistent_tma", jnp.float16, 0, 300, 520, 200, False, False, jnp.float32),
     ("persistent_wait0", jnp.float16, 0, 129, 264, 72, False, False, None),
     ("persistent_streamk", jnp.float16, 0, 1000, 3000, 4160, False, False, None),  # tail split over clusters
+    ("persistent_f16acc", jnp.float16, 0, 300, 520, 200, False, False, None),  # four consumer warpgroups
+    ("persistent_f16acc", jnp.float16, 2, 600, 264, 136, True, True, jnp.float32),
 ]
 
 for kernel, dtype, batch, m, n, k, ta, tb, out_dtype in CASES:

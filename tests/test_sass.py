@@ -76,7 +76,14 @@ KIND_EXTRAS = {
     4: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_wait0
     5: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused (dense: bias, activation, residual)
     6: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_streamk (stream-K tail)
+    7: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_f16acc (opt-in f16 accumulation)
 }
+F16_ACCUMULATION_KIND = 7
+F32_MMA, F16_MMA = "HGMMA.64x256x16.F32", "HGMMA.64x256x16.F16"
+# Threads per CTA of the register-reallocating kinds: a producer warpgroup and two
+# consumer warpgroups, four in the f16-accumulating kind.
+KIND_THREADS = {F16_ACCUMULATION_KIND: 640}
+SETMAXNREG_THREADS = 384
 WAIT_ONE = "WARPGROUP.DEPBAR.LE gsb0, 0x1"
 WAIT0_KIND = 4
 
@@ -92,6 +99,9 @@ def test_cuobjdump_sass_has_v5_signature(extension_path):
         kind = int(re.search(r"KernelKindE(\d+)E", name).group(1))
         kinds_seen.add(kind)
         signature = [s for s in V5_SIGNATURE if kind != WAIT0_KIND or s != WAIT_ONE] + KIND_EXTRAS[kind]
+        if kind == F16_ACCUMULATION_KIND:  # f16 accumulator, never the f32 one
+            signature = [F16_MMA if s == F32_MMA else s for s in signature]
+            assert F32_MMA not in body, name
         for needle in signature:
             assert needle in body, f"{needle} missing from {name}"
         if kind == WAIT0_KIND:  # wait_group(0) only: nothing left in flight
@@ -102,13 +112,13 @@ def test_cuobjdump_sass_has_v5_signature(extension_path):
 
 
 REGISTER_FILE = 65536
-SETMAXNREG_THREADS = 384  # producer warpgroup + two consumer warpgroups
 
 
 def test_register_reallocating_kernels_hold_the_whole_register_pool(extension_path):
     # setmaxnreg.inc (consumers to 232) only succeeds if the CTA was launched with the
-    # registers the producer gives back plus its own: 384 threads x 168. A kernel built
-    # with fewer registers per thread would hang, not fail.
+    # registers the producer gives back plus its own: 384 threads x 168 (640 x 96 with
+    # four consumer warpgroups). A kernel built with fewer registers per thread would
+    # hang, not fail.
     usage = subprocess.run([_need("cuobjdump"), "--dump-resource-usage", extension_path], check=True,
                            capture_output=True, text=True).stdout
     regs = dict(re.findall(r"Function (\S+):\s*REG:(\d+)", usage))
@@ -116,8 +126,9 @@ def test_register_reallocating_kernels_hold_the_whole_register_pool(extension_pa
                     if int(re.search(r"KernelKindE(\d+)E", name).group(1)) in
                     [k for k, extras in KIND_EXTRAS.items() if SETMAXNREG in extras]]
     assert reallocating, "no setmaxnreg kernel found"
-    expected = REGISTER_FILE // SETMAXNREG_THREADS // 8 * 8
     for name in reallocating:
+        threads = KIND_THREADS.get(int(re.search(r"KernelKindE(\d+)E", name).group(1)), SETMAXNREG_THREADS)
+        expected = REGISTER_FILE // threads // 8 * 8
         assert int(regs[name]) == expected, f"{name}: {regs[name]} registers, the pool needs {expected}"
 
 
@@ -131,4 +142,4 @@ def test_nvdisasm_sees_wgmma_in_the_cubins(extension_path):
             assert "sm_90a" in cubin.name, cubin.name
             text = subprocess.run([nvdisasm, "-c", os.fspath(cubin)], check=True, capture_output=True,
                                   text=True).stdout
-            assert "HGMMA.64x256x16.F32" in text and "UTMALDG" in text
+            assert (F32_MMA in text or F16_MMA in text) and "UTMALDG" in text

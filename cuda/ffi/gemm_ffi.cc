@@ -18,7 +18,8 @@ namespace {
 // Values of the `kernel` attribute, by index (jax_hopper/_primitive.py: KERNELS).
 constexpr KernelKind kKernelKinds[] = {KernelKind::kV5, KernelKind::kPersistent, KernelKind::kPersistentBasic,
                                        KernelKind::kPersistentTma, KernelKind::kPersistentWait0,
-                                       KernelKind::kPersistentFused, KernelKind::kPersistentStreamK};
+                                       KernelKind::kPersistentFused, KernelKind::kPersistentStreamK,
+                                       KernelKind::kPersistentF16Acc};
 constexpr int32_t kNumKernelKinds = sizeof(kKernelKinds) / sizeof(kKernelKinds[0]);
 
 std::string shape_str(ffi::AnyBuffer::Dimensions d) {

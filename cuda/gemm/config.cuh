@@ -1,6 +1,8 @@
 // Tile shape, pipeline depth, thread roles and the shared-memory budget of each kernel kind.
 #pragma once
 #include <cstddef>
+#include <cstdint>
+#include <type_traits>
 
 #include "gemm/gemm.h"
 #include "gemm/smem_layout.cuh"
@@ -12,7 +14,7 @@ constexpr size_t kMaxSmemPerBlock = 227 * 1024;  // sm_90 opt-in limit per block
 constexpr size_t kSmemAlignment = 1024;          // 128B-swizzle atoms repeat every 1 KB
 constexpr int kRegisterFileSize = 64 * 1024;     // 32-bit registers per SM
 
-template <KernelKind kKind_, class Element_, Major kMajorA_, Major kMajorB_, int kStages_, int kRasterSwizzle_ = 4>
+template <KernelKind kKind_, class Element_, Major kMajorA_, Major kMajorB_, int kStages_>
 struct GemmConfig {
   using Element = Element_;
   static constexpr KernelKind kKind = kKind_;
@@ -31,39 +33,61 @@ struct GemmConfig {
   static constexpr bool kFusedEpilogue = kKind == KernelKind::kPersistentFused;
   // The tail wave split along K over the clusters (tile_scheduler.cuh: WorkList).
   static constexpr bool kStreamK = kKind == KernelKind::kPersistentStreamK;
+  // Opt-in: accumulate in f16 (wgmma's f16 accumulator) with four consumer warpgroups
+  // on a 256-row tile -- the tutorial's final version.
+  static constexpr bool kF16Accumulate = kKind == KernelKind::kPersistentF16Acc;
   static constexpr bool kTmaStoreEpilogue = kKind == KernelKind::kPersistentTma || kKind == KernelKind::kPersistent ||
-                                            kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK;
+                                            kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK ||
+                                            kF16Accumulate;
   // A whole producer warpgroup (only one thread issues TMA) so that setmaxnreg, which
   // works per warpgroup, can move registers from the producer to the consumers.
-  static constexpr bool kProducerWarpgroup =
-      kKind == KernelKind::kPersistent || kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK;
+  static constexpr bool kProducerWarpgroup = kKind == KernelKind::kPersistent ||
+                                             kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK ||
+                                             kF16Accumulate;
   // wgmma groups left in flight after each K tile; the stage release lags by as many.
   static constexpr int kMmaInFlight = kKind == KernelKind::kPersistentWait0 ? 0 : 1;
   // Tile order: consecutive CTAs sweep this many neighbouring N tiles, then step in M.
-  static constexpr int kRasterSwizzle = kRasterSwizzle_;
+  // 8 measured best of 2/4/8/16 on every shape tried (BENCHMARKS.md, "raster width"),
+  // about 1% over the seed's 4.
+  static constexpr int kRasterSwizzle = 8;
 
-  static constexpr int kBlockM = 128;
+  static constexpr int kConsumerWarpgroups = kF16Accumulate ? 4 : 2;
+  static constexpr int kBlockM = kConsumerWarpgroups * 64;  // 64 rows (one wgmma m64) per warpgroup
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 64;  // 64 16-bit elements = one 128-byte swizzle row
   static constexpr int kMmaK = 16;    // K of one wgmma.m64n256k16
   static constexpr int kMmasPerKTile = kBlockK / kMmaK;
 
-  static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kWarpgroupM = kBlockM / kConsumerWarpgroups;  // 64 rows each
   static constexpr int kProducerThreads = kProducerWarpgroup ? hopper::kWarpgroupSize : hopper::kWarpSize;
   static constexpr int kThreads = kConsumerWarpgroups * hopper::kWarpgroupSize + kProducerThreads;
+  // Each thread's share of its warpgroup's 64x256 accumulator: 128 elements, in f32
+  // registers, or two per register as f16x2.
   static constexpr int kAccumulators = kWarpgroupM * kBlockN / hopper::kWarpgroupSize;  // 128
-  // setmaxnreg split (CUTLASS's cooperative default): 128 x 40 + 256 x 232 = 64512 of
-  // the SM's 65536 registers.
+  using Accumulator = std::conditional_t<kF16Accumulate, uint32_t, float>;
+  static constexpr int kAccumulatorRegisters = kF16Accumulate ? kAccumulators / 2 : kAccumulators;
+  // setmaxnreg moves registers within the CTA's pool, which is what the kernel was
+  // launched with: kThreads x its register count, at most this many per thread (ptxas
+  // caps the count here under __launch_bounds__(kThreads, 1); tests/test_sass.py checks
+  // the built kernels use exactly it). A split beyond the pool would hang in .inc.
+  // The producer keeps 40 (CUTLASS's cooperative default); the consumers share the
+  // rest: 232 each with two consumer warpgroups (128 x 40 + 256 x 232 = 64512), 104
+  // with four.
+  static constexpr int kLaunchRegisters = kRegisterFileSize / kThreads / 8 * 8;
   static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
+  static constexpr int kConsumerRegisters =
+      (kThreads * kLaunchRegisters - kProducerThreads * kProducerRegisters) /
+      (kConsumerWarpgroups * hopper::kWarpgroupSize) / 8 * 8;
 
-  // TMA-store epilogue: each consumer warpgroup writes its 64 x 256 half as sub-tiles one
-  // 128-byte swizzle row wide (64 16-bit or 32 f32 columns), double-buffered, so the
-  // staging costs 32 KB instead of a whole extra 64 KB output tile.
+  // TMA-store epilogue: each consumer warpgroup writes its 64 x 256 part as sub-tiles
+  // one 128-byte swizzle row wide (64 16-bit or 32 f32 columns) through staging buffers
+  // that get what the ring leaves of shared memory (after the alignment slack and
+  // kSmemReserve for barriers and the fused bias slice): two per warpgroup (32 KB instead
+  // of a whole extra 64 KB output tile) next to the default's 4 x 48 KB ring, one next
+  // to the f16-accumulating kind's 3 x 64 KB.
   static constexpr int kStoreRowBytes = 128;
-  static constexpr int kStoreBuffers = 2;
   static constexpr int kStoreBufferBytes = kWarpgroupM * kStoreRowBytes;  // 8 KB
+  static constexpr int kMaxStoreBuffers = 2;  // two already hide a store behind the next sub-tile
   // Named hardware barriers of the consumer warpgroups' epilogues (0 is __syncthreads').
   static constexpr int kFirstEpilogueBarrier = 1;
 
@@ -71,14 +95,17 @@ struct GemmConfig {
   using LayoutB = OperandLayout<Element, kMajorB, kBlockN, kBlockK, kClusterM>;
   static constexpr uint32_t kStageBytes = LayoutA::kBytes + LayoutB::kBytes;  // TMA tx bytes
 
+  static constexpr int64_t kSmemReserve = 2 * 1024;
+  static constexpr int64_t kStoreBudget = int64_t{kMaxSmemPerBlock} - int64_t{kSmemAlignment} - kSmemReserve -
+                                          int64_t{kStages} * kStageBytes;
+  static constexpr int kStoreBuffersThatFit =
+      kStoreBudget > 0 ? static_cast<int>(kStoreBudget / (kConsumerWarpgroups * kStoreBufferBytes)) : 0;
+  static constexpr int kStoreBuffers = kStoreBuffersThatFit < kMaxStoreBuffers ? kStoreBuffersThatFit : kMaxStoreBuffers;
+
   static_assert(kStages >= 1 + kMmaInFlight, "the lagging release needs a stage per group in flight");
   static_assert(kWarpgroupM == 64, "one wgmma m64 row block per consumer warpgroup");
-  static_assert(kAccumulators == 128, "64x256 f32 accumulator = 128 registers per thread");
-  // setmaxnreg moves registers within the CTA's pool, which is what the kernel was
-  // launched with: kThreads x its register count, at most this many per thread (ptxas
-  // caps the count here under __launch_bounds__(kThreads, 1); tests/test_sass.py checks
-  // the built kernels use exactly it). A split beyond the pool would hang in .inc.
-  static constexpr int kLaunchRegisters = kRegisterFileSize / kThreads / 8 * 8;
+  static_assert(kAccumulators == 128, "a 64x256 accumulator is 128 elements per thread");
+  static_assert(!kTmaStoreEpilogue || kStoreBuffers >= 1, "no room left for the epilogue's staging buffer");
   static_assert(!kProducerWarpgroup || kProducerThreads * kProducerRegisters +
                                                kConsumerWarpgroups * hopper::kWarpgroupSize * kConsumerRegisters <=
                                            kThreads * kLaunchRegisters,

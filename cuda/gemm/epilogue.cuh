@@ -1,4 +1,4 @@
-// Epilogues: f32 accumulators -> output type -> global memory. The output type is
+// Epilogues: accumulators (f32; f16 in the opt-in kind) -> output type -> global memory. The output type is
 // chosen at run time (the 16-bit input type, or f32 straight from the accumulator) so
 // one kernel instance serves both.
 //  DirectStoreEpilogue  (V5) each thread stores its registers, masked at partial tiles.
@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda.h>
 
@@ -63,6 +64,34 @@ struct PairOf<float> {
   __device__ static void split(type p, float& x, float& y) { x = p.x, y = p.y; }
 };
 
+// The accumulator fragment read as pairs of adjacent f32-layout elements i, i + 1 (i
+// even): f32 accumulators hold one element per register, f16 ones (f16x2) two.
+template <class Accumulator>
+struct Fragment;
+template <>
+struct Fragment<float> {
+  template <int N>
+  __device__ static float2 pair(const float (&acc)[N], int i) {
+    return make_float2(acc[i], acc[i + 1]);
+  }
+  template <class Out, int N>
+  __device__ static uint32_t packed(const float (&acc)[N], int i) {
+    return pack_pair<Out>(acc[i], acc[i + 1]);
+  }
+};
+template <>
+struct Fragment<uint32_t> {
+  template <int N>
+  __device__ static float2 pair(const uint32_t (&acc)[N], int i) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&acc[i / 2]));
+  }
+  template <class Out, int N>
+  __device__ static uint32_t packed(const uint32_t (&acc)[N], int i) {
+    static_assert(std::is_same_v<Out, __half>, "an f16 accumulator is stored as f16 as it is");
+    return acc[i / 2];
+  }
+};
+
 template <class Cfg>
 struct DirectStoreEpilogue {
   // wgmma m64nN f32 accumulator layout (PTX ISA "Register Fragments"): thread t of the
@@ -74,9 +103,11 @@ struct DirectStoreEpilogue {
   static constexpr int kColsPerBlock = 8;
   static constexpr int kColBlocks = Cfg::kBlockN / kColsPerBlock;
 
+  using Acc = typename Cfg::Accumulator[Cfg::kAccumulatorRegisters];
+  using Frag = Fragment<typename Cfg::Accumulator>;
+
   template <class Out>
-  __device__ static void store_as(const float (&acc)[Cfg::kAccumulators], const OutputParams& out, int batch,
-                                  int row0, int col0) {
+  __device__ static void store_as(const Acc& acc, const OutputParams& out, int batch, int row0, int col0) {
     using Pair = PairOf<Out>;
     const int t = hopper::thread_in_warpgroup();
     const int warp = t / hopper::kWarpSize;
@@ -92,7 +123,8 @@ struct DirectStoreEpilogue {
 #pragma unroll
       for (int j = 0; j < kColBlocks; ++j) {
         const int col = c + j * kColsPerBlock;
-        const auto pair = Pair::convert(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        const float2 v = Frag::pair(acc, 4 * j + 2 * half);
+        const auto pair = Pair::convert(v.x, v.y);
         if (out.paired_stores && col + 1 < out.n) {
           *reinterpret_cast<typename Pair::type*>(dst_row + col) = pair;
         } else {
@@ -105,8 +137,7 @@ struct DirectStoreEpilogue {
     }
   }
 
-  __device__ static void store(const float (&acc)[Cfg::kAccumulators], const OutputParams& out, int batch,
-                               int row0, int col0) {
+  __device__ static void store(const Acc& acc, const OutputParams& out, int batch, int row0, int col0) {
     if (out.f32) {
       store_as<float>(acc, out, batch, row0, col0);
     } else {
@@ -323,7 +354,8 @@ struct TmaStoreEpilogue {
   // 16-bit output: four 8x8 matrices per stmatrix.x4 -- column blocks j, j + 1, each
   // as rows 0-7 and 8-15 of the warp's 16 rows.
   template <class Out>
-  __device__ static void stage_subtile(const float (&acc)[Cfg::kAccumulators], uint8_t* buf, int s) {
+  __device__ static void stage_subtile(const typename Direct::Acc& acc, uint8_t* buf, int s) {
+    using Frag = typename Direct::Frag;
     constexpr int kCols = Cfg::kStoreRowBytes / sizeof(Out);
     constexpr int kBlocks = kCols / Direct::kColsPerBlock;  // 8-column accumulator blocks
     const int t = hopper::thread_in_warpgroup();
@@ -338,10 +370,9 @@ struct TmaStoreEpilogue {
       for (int p = 0; p < kBlocks; p += 2) {
         const int j = s * kBlocks + p;  // first accumulator column block of the pair
         const int byte_col = (p + matrix / 2) * Direct::kColsPerBlock * int(sizeof(Out));
-        hopper::stmatrix_x4(base + swizzled(row, byte_col), pack_pair<Out>(acc[4 * j], acc[4 * j + 1]),
-                            pack_pair<Out>(acc[4 * j + 2], acc[4 * j + 3]),
-                            pack_pair<Out>(acc[4 * j + 4], acc[4 * j + 5]),
-                            pack_pair<Out>(acc[4 * j + 6], acc[4 * j + 7]));
+        hopper::stmatrix_x4(base + swizzled(row, byte_col), Frag::template packed<Out>(acc, 4 * j),
+                            Frag::template packed<Out>(acc, 4 * j + 2), Frag::template packed<Out>(acc, 4 * j + 4),
+                            Frag::template packed<Out>(acc, 4 * j + 6));
       }
     } else {
       const int row = warp * Direct::kRowsPerWarp + lane / 4;
@@ -352,7 +383,7 @@ struct TmaStoreEpilogue {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           float2* dst = reinterpret_cast<float2*>(buf + swizzled(row + half * Direct::kHalfRows, byte_col));
-          *dst = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          *dst = Frag::pair(acc, 4 * j + 2 * half);
         }
       }
     }
@@ -363,7 +394,7 @@ struct TmaStoreEpilogue {
   // one thread issue its TMA store. The last stores stay in flight while this
   // warpgroup starts its next tile; `finish` waits for them before the CTA exits.
   template <class Out>
-  __device__ static void store_as(const float (&acc)[Cfg::kAccumulators], Buffers& buffers,
+  __device__ static void store_as(const typename Direct::Acc& acc, Buffers& buffers,
                                   const CUtensorMap* tmap_c, int warpgroup, int batch, int row0, int col0) {
     constexpr int kCols = Cfg::kStoreRowBytes / sizeof(Out);
     constexpr int kSubtiles = Cfg::kBlockN / kCols;
@@ -384,7 +415,7 @@ struct TmaStoreEpilogue {
     }
   }
 
-  __device__ static void store(const float (&acc)[Cfg::kAccumulators], Buffers& buffers, const CUtensorMap* tmap_c,
+  __device__ static void store(const typename Direct::Acc& acc, Buffers& buffers, const CUtensorMap* tmap_c,
                                const OutputParams& out, int warpgroup, int batch, int row0, int col0) {
     if (!out.tma_store) {
       Direct::store(acc, out, batch, row0, col0);

@@ -97,6 +97,8 @@ const char* kind_name(KernelKind kind) {
       return "persistent_fused";
     case KernelKind::kPersistentStreamK:
       return "persistent_streamk";
+    case KernelKind::kPersistentF16Acc:
+      return "persistent_f16acc";
   }
   return "unknown";
 }
@@ -115,6 +117,8 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
   const size_t c_bytes = args.c_f32 ? sizeof(float) : 2;
   const bool fused_kind = choice.kind == KernelKind::kPersistentFused;
   if (args.fused() && !fused_kind) return Status::Invalid("bias, residual or activation need the fused kernel");
+  if (choice.kind == KernelKind::kPersistentF16Acc && args.dtype != ElementType::kF16)
+    return Status::Invalid("f16 accumulation takes f16 operands (wgmma has no bf16 accumulator)");
   if (fused_kind) {
     if (args.c_f32 || args.batch != 1)
       return Status::Invalid("the fused kernel computes one product with an output of the operands' type");

@@ -59,6 +59,9 @@ struct GemmArgs {
 //  kPersistentFused  kPersistent with the fused epilogue (bias, activation, residual)
 //  kPersistentStreamK kPersistent whose last, partial wave of tiles is split along K
 //                      over all clusters (stream-K for the tail; experimental)
+//  kPersistentF16Acc  opt-in, f16 only: the tutorial's final version -- 256x256 tiles,
+//                      four consumer warpgroups, accumulation in f16 (faster, less
+//                      accurate: README "f16 accumulation")
 enum class KernelKind {
   kV5,
   kPersistent,
@@ -66,7 +69,8 @@ enum class KernelKind {
   kPersistentTma,
   kPersistentWait0,
   kPersistentFused,
-  kPersistentStreamK
+  kPersistentStreamK,
+  kPersistentF16Acc
 };
 
 // Compile-time kernel parameters that are selectable at run time (each choice is an

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int col0 = tile.n_block * Cfg::kBlockN;
       uint32_t bias_pair = 0;
       if constexpr (Cfg::kFusedEpilogue) bias_pair = FusedOps<Cfg>::prefetch(out, row0, col0);
-      float acc[Cfg::kAccumulators];
+      typename Cfg::Accumulator acc[Cfg::kAccumulatorRegisters];
       Main::mma(pipe, smem, warpgroup, unit.k_end - unit.k_begin, acc, read);
       if constexpr (Cfg::kStreamK) {
         using Fixup = StreamKFixup<Cfg>;

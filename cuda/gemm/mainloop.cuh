@@ -76,7 +76,7 @@ struct Mainloop {
   // ---- consumer: run by a whole consumer warpgroup -------------------------------------
   // The four m64n256k16 MMAs of one K tile; `accumulate` false starts a fresh sum.
   __device__ static void mma_k_tile(const typename Storage::Stage& stage, int warpgroup,
-                                    float (&acc)[Cfg::kAccumulators], bool accumulate) {
+                                    typename Cfg::Accumulator (&acc)[Cfg::kAccumulatorRegisters], bool accumulate) {
 #pragma unroll
     for (int kk = 0; kk < Cfg::kMmasPerKTile; ++kk) {
       const uint64_t desc_a = LayoutA::template descriptor<Cfg::kMmaK>(stage.a, warpgroup, kk);
@@ -93,7 +93,7 @@ struct Mainloop {
   // stage being read by the group still in flight is never released: release trails
   // read by exactly one stage.
   __device__ static void mma(const Pipe& pipe, const Storage& smem, int warpgroup, int k_tiles,
-                             float (&acc)[Cfg::kAccumulators], State& read) {
+                             typename Cfg::Accumulator (&acc)[Cfg::kAccumulatorRegisters], State& read) {
     const bool elected = hopper::thread_in_warpgroup() == 0;
     State release = read;  // the stage whose MMA retires next
     for (int kt = 0; kt < k_tiles; ++kt) {
