@@ -182,3 +182,16 @@ def test_stream_k_tail_is_correct_and_deterministic(hopper, shape):
     assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.dot(a, b), ref)
     for _ in range(3):
         np.testing.assert_array_equal(np.asarray(f(a, b)), np.asarray(out))
+
+
+def test_stream_k_really_splits_the_tail(hopper):
+    """The split is skipped, silently, where the launch gets no workspace for the partial
+    sums (prepare_stream_k); then the kind runs the default kernel's exact sums. Split, a
+    tail tile's K range is summed in pieces and added up by the finisher: a different f32
+    summation order, which some of 256 x 8192 outputs must show in their last bit."""
+    from jax_hopper._primitive import gemm
+
+    a, b = _inputs(256, 8192, 8192, jnp.float16, seed=8)  # 32 tiles on 66 clusters: all tail
+    split = np.asarray(jax.jit(lambda x, y: gemm(x, y, kernel="persistent_streamk"))(a, b))
+    whole = np.asarray(jax.jit(lambda x, y: gemm(x, y, kernel="persistent"))(a, b))
+    assert not np.array_equal(split, whole), "stream-K gave the default kernel's bits: the tail was not split"
