@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 
@@ -111,6 +112,41 @@ RULES: tuple[Rule, ...] = (
          "aligned shapes: our fastest kernel reaches 0.95-0.96x of cuBLASLt at 4096^3-8192^3 and less on "
          "small, decode-like and short-K shapes"),
 )
+
+
+# The opt-in f16-accumulating kernel (accumulation="f16") was measured against
+# cuBLASLt on 11 f16 shapes (BENCHMARKS.md, "Opt-in f16 accumulation"): ahead by
+# 2.5-5.4% where every dimension is >= 4096 and the 256x256 tiles fill their last wave
+# at least half (or there are many waves, where a part-empty last one costs little);
+# behind on small, K-short and decode shapes and on 6144^3 (4.36 waves). Elsewhere an
+# f16-accumulation request takes the f32 path the table picks: faster there, and
+# more accurate.
+F16_ACCUMULATION_TILE = 256
+F16_ACCUMULATION_MIN_DIM = 4096
+F16_ACCUMULATION_MIN_LAST_WAVE = 0.5
+F16_ACCUMULATION_MANY_WAVES = 10
+H200_SMS = 132  # one 256x256 tile per SM at a time (H100 SXM has as many)
+
+
+def f16_accumulation_wins(p: Problem) -> bool:
+    if min(p.m, p.n, p.k) < F16_ACCUMULATION_MIN_DIM:
+        return False
+    tiles = max(p.batch, 1) * math.ceil(p.m / F16_ACCUMULATION_TILE) * math.ceil(p.n / F16_ACCUMULATION_TILE)
+    waves = tiles / H200_SMS
+    last_wave = waves - math.floor(waves) or 1.0
+    return waves >= F16_ACCUMULATION_MANY_WAVES or last_wave >= F16_ACCUMULATION_MIN_LAST_WAVE
+
+
+def choose_f16_accumulation(problem: Problem, policy: str | None = None) -> tuple[str, str, bool]:
+    """(path, rule, whether the f16-accumulating kernel runs) for a product whose
+    caller allows f16 accumulation: policy "kernel" always runs it, "auto" where it was
+    measured faster (else the table's f32 choice), "xla" never."""
+    policy = current_policy() if policy is None else policy
+    if policy == "kernel":
+        return "kernel", "policy=kernel", True
+    if policy == "auto" and f16_accumulation_wins(problem):
+        return "kernel", "f16-accumulation", True
+    return (*choose(problem, policy), False)
 
 
 def choose(problem: Problem, policy: str | None = None) -> tuple[str, str]:

@@ -9,11 +9,12 @@ definition jax's. Then:
     by a table of measured rules;
   - anything else: the jax function itself, unchanged.
 
-accumulation="f16" (an explicit opt-in, never the default) runs eligible f16 products
-on the f16-accumulating kernel whatever the dispatcher's table says (the tutorial's
-final version: faster, with an error that grows with K -- README, "f16 accumulation").
-Where our kernel does not run (policy "xla", no Hopper GPU) the product is XLA's, with
-f32 sums.
+accumulation="f16" (an explicit opt-in, never the default) allows f16 sums: eligible
+f16 products then run the f16-accumulating kernel (the tutorial's final version: an
+error that grows with K -- README, "f16 accumulation") where the dispatcher measured it
+faster than cuBLASLt (policy "kernel": always); elsewhere they keep the f32 path the
+dispatcher picks, which is faster there and more accurate. Where our kernel does not
+run (policy "xla", no Hopper GPU) the product is XLA's, with f32 sums.
 """
 
 from __future__ import annotations
@@ -113,12 +114,12 @@ def _check_accumulation(name, accumulation, lhs, rhs, precision):
             raise ValueError(f"jax_hopper.{name}: accumulation='f16' does not meet precision={precision!r}")
 
 
-def _path(plan, lhs, out, accumulation) -> tuple[str, str]:
-    """(path, rule): the dispatcher's, except that an f16 accumulation asked for runs
-    our kernel wherever the policy lets it."""
-    if accumulation == "f16" and _dispatch.current_policy() != "xla":
-        return "kernel", "accumulation=f16"
-    return _dispatch.choose(_problem(plan, lhs, out))
+def _path(plan, lhs, out, accumulation) -> tuple[str, str, bool]:
+    """(path, rule, f16 accumulation?) from the dispatcher."""
+    problem = _problem(plan, lhs, out)
+    if accumulation == "f16":
+        return _dispatch.choose_f16_accumulation(problem)
+    return (*_dispatch.choose(problem), False)
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None,
@@ -133,14 +134,15 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                                out_sharding=out_sharding)
     fn, out, plan = _planned("dot_general", lhs, rhs, dimension_numbers, precision, preferred_element_type)
-    if plan is None or _path(plan, lhs, out, accumulation)[0] == "xla":
+    path = None if plan is None else _path(plan, lhs, out, accumulation)
+    if path is None or path[0] == "xla":
         return fn(lhs, rhs)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     a = lhs if plan.lhs_perm is None else jnp.transpose(lhs, plan.lhs_perm)
     b = rhs if plan.rhs_perm is None else jnp.transpose(rhs, plan.rhs_perm)
     c = gemm(a.reshape(plan.lhs_shape), b.reshape(plan.rhs_shape), transpose_a=plan.transpose_a,
              transpose_b=plan.transpose_b, out_dtype=out.dtype,
-             kernel=F16_ACCUMULATION_KERNEL if accumulation == "f16" else DEFAULT_KERNEL)
+             kernel=F16_ACCUMULATION_KERNEL if path[2] else DEFAULT_KERNEL)
     return c.reshape(plan.out_shape)
 
 
@@ -154,7 +156,7 @@ def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element
                             abstract_ok=True)
     if plan is None:
         return "jax", "not eligible (dtypes, precision or operand types)"
-    return _path(plan, lhs, out, accumulation)
+    return _path(plan, lhs, out, accumulation)[:2]
 
 
 def _promote(a, b):
@@ -169,8 +171,10 @@ def dot(a, b, *, precision=None, preferred_element_type=None, out_sharding=None,
     if out_sharding is not None:
         return fn(a, b, out_sharding=out_sharding)
     _check("dot", fn, a, b)
+    if accumulation not in ACCUMULATIONS:
+        raise ValueError(f"jax_hopper.dot: accumulation must be one of {ACCUMULATIONS}, got {accumulation!r}")
     if np.ndim(a) == 0 or np.ndim(b) == 0:
-        return fn(a, b)  # scalar products are elementwise
+        return fn(a, b)  # scalar products are elementwise (nothing is summed)
     a, b = _promote(a, b)
     contract = ((a.ndim - 1,), (max(b.ndim - 2, 0),))
     return dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=preferred_element_type,

@@ -52,14 +52,49 @@ def test_unknown_accumulation_and_high_precision_are_refused():
         jax_hopper.dot(a, a, accumulation="f16", precision="highest")
 
 
-def test_it_overrides_the_dispatch_table_but_not_the_xla_policy():
-    a = jax.ShapeDtypeStruct((4096, 4096), jnp.float16)  # aligned: the table picks XLA
-    dims = (((1,), (0,)), ((), ()))
+DIMS = (((1,), (0,)), ((), ()))
+
+
+def _path(m, n, k, policy="auto", accumulation="f16"):
+    a, b = jax.ShapeDtypeStruct((m, k), jnp.float16), jax.ShapeDtypeStruct((k, n), jnp.float16)
+    with jax_hopper.dispatch(policy):
+        return jax_hopper.dispatch_path(a, b, DIMS, accumulation=accumulation)
+
+
+# Shapes measured on the H200 (BENCHMARKS.md): where the f16-accumulating kernel beat
+# cuBLASLt, and where it did not.
+F16_FASTER = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 16384, 4096), (16384, 16384, 16384),
+              (4096, 14336, 4096), (4096, 4096, 14336)]
+F16_SLOWER = [(6144, 6144, 6144), (3000, 5000, 7000), (8192, 8192, 1024), (2048, 2048, 2048), (256, 8192, 8192)]
+
+
+@pytest.mark.parametrize("shape", F16_FASTER, ids=lambda s: "x".join(map(str, s)))
+def test_auto_runs_f16_accumulation_where_it_was_measured_faster(shape):
+    assert _path(*shape, accumulation="f32")[0] == "xla"  # aligned: f32 products go to cuBLASLt
+    assert _path(*shape) == ("kernel", "f16-accumulation")
+
+
+@pytest.mark.parametrize("shape", F16_SLOWER, ids=lambda s: "x".join(map(str, s)))
+def test_auto_keeps_the_f32_path_where_f16_accumulation_was_slower(shape):
+    assert _path(*shape) == _path(*shape, accumulation="f32") == ("xla", "default")
+
+
+def test_policies_kernel_and_xla_decide_alone():
+    assert _path(2048, 2048, 2048, policy="kernel") == ("kernel", "policy=kernel")
+    assert _path(8192, 8192, 8192, policy="xla") == ("xla", "policy=xla")
+
+
+def test_unaligned_rows_keep_the_table_rule_and_lower_to_the_f32_kernel():
+    # 3000 x 5000 x 7001: not f16-faster (a dimension < 4096), rows not 16-byte
+    # aligned -> the table's unaligned-rows rule, our f32-accumulating kernel.
+    assert _path(3000, 5000, 7001) == ("kernel", "unaligned-rows")
+    a = jax.ShapeDtypeStruct((3000, 7001), jnp.float16)
+    b = jax.ShapeDtypeStruct((7001, 5000), jnp.float16)
     with jax_hopper.dispatch("auto"):
-        assert jax_hopper.dispatch_path(a, a, dims)[0] == "xla"
-        assert jax_hopper.dispatch_path(a, a, dims, accumulation="f16") == ("kernel", "accumulation=f16")
-    with jax_hopper.dispatch("xla"):
-        assert jax_hopper.dispatch_path(a, a, dims, accumulation="f16")[0] == "xla"
+        text = (jax.jit(lambda x, y: jax_hopper.matmul(x, y, accumulation="f16")).trace(a, b)
+                .lower(lowering_platforms=("cuda",)).as_text())
+    call = re.search(r"stablehlo\.custom_call @jax_hopper_gemm\(.*", text).group(0)
+    assert re.search(rf"kernel = {KERNELS['persistent']} : i32", call), call
 
 
 def test_cuda_lowering_calls_the_f16_accumulating_instance():
