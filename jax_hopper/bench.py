@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_hopper
+from jax_hopper import _ffi
 from jax_hopper._primitive import KERNELS, gemm
 
 L2_BYTES = 60 * 2**20  # H200
@@ -476,6 +477,12 @@ def main(argv=None):
     print(f"device: {dev.device_kind}  jax {jax.__version__}  platform {dev.platform}", flush=True)
     if dev.platform != "gpu":
         print("warning: no GPU; these numbers time the fallback", flush=True)
+    elif not jax_hopper.kernel_available():
+        # Every "jax_hopper" or "kernel" row would time XLA's dot under our name: this
+        # happened once, from a repository checkout, whose jax_hopper has no extension.
+        raise SystemExit(f"jax_hopper's kernel is not available here ({_ffi.missing_kernel_reason()}; imported "
+                         f"from {jax_hopper.__file__}): the benchmark would time XLA's dot under our name. Run it "
+                         f"outside the source tree, with the package installed.")
 
     rows = []
     jobs = [(c, d) for c in cases for d in dtypes]

@@ -36,7 +36,10 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   for t in ${TESTS:-tests}; do tests+=("$REPO/$t"); done
   JAX_HOPPER_REQUIRE_GPU=1 timeout "${TEST_TIMEOUT:-900}" python3 -m pytest "${tests[@]}" -q -ra ${PYTEST_ARGS:-} 2>&1 |
     tee "$LOG/tests.log" | grep -v -E "^\.|PASSED" | tail -40
-  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  test_rc=${PIPESTATUS[0]}
+  # A run cut off by the timeout prints no summary: say so, or it reads like a pass.
+  [ "$test_rc" -eq 124 ] && echo "TESTS TIMED OUT after ${TEST_TIMEOUT:-900} s: tests.log ends where they were killed"
+  [ "$test_rc" -eq 0 ] || rc=1
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 900 python3 -m jax_hopper.bench ${BENCH_ARGS:-} --json "$LOG/bench.json" 2>"$LOG/bench.err" |

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import jax
+import pytest
 
 from jax_hopper import bench
 
@@ -26,3 +27,15 @@ def test_bench_writes_rows_for_every_case_and_variant(tmp_path):
     assert {r["variant"] for r in rows} >= {"jax_hopper", "jnp.dot", "V5 s=4"}
     assert all(r["kernel_ms"] > 0 and r["sustained_ms"] > 0 for r in rows)
     assert all(r["rel_error"] < 1e-2 for r in rows if r["rel_error"] is not None)
+
+
+def test_bench_refuses_to_time_the_fallback_on_a_gpu(monkeypatch):
+    # On a GPU without our extension (a repository checkout imports jax_hopper from the
+    # source tree) every "kernel" row would be XLA's dot: the benchmark must stop.
+    class FakeGpu:
+        platform, device_kind = "gpu", "fake GPU"
+
+    monkeypatch.setattr(bench.jax, "devices", lambda *a: [FakeGpu()])
+    monkeypatch.setattr(bench.jax_hopper, "kernel_available", lambda: False)
+    with pytest.raises(SystemExit, match="would time XLA's dot under our name"):
+        bench.main(["--shapes", "64", "--no-torch"])
