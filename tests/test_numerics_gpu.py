@@ -184,9 +184,9 @@ def test_stream_k_tail_is_correct_and_deterministic(hopper, shape):
         np.testing.assert_array_equal(np.asarray(f(a, b)), np.asarray(out))
 
 
-@pytest.mark.xfail(strict=True, reason="XLA's FFI scratch allocator gives the handler no memory for the 17 MB of "
-                   "partial sums (measured on the H200, 2026-11-30), so the kind takes whole tiles; fix on branch "
-                   "streamk-workspace")
+@pytest.mark.xfail(strict=True, reason="XLA's FFI scratch allocator gives the handler no memory (measured on the "
+                   "H200, 2026-11-30: the handler asks for 256-byte alignment, XLA allows 16), so the kind takes "
+                   "whole tiles; fix on branch streamk-workspace")
 def test_stream_k_really_splits_the_tail(hopper):
     """The split is skipped, silently, where the launch gets no workspace for the partial
     sums (prepare_stream_k); then the kind runs the default kernel's exact sums. Split, a
