@@ -115,12 +115,15 @@ RULES: tuple[Rule, ...] = (
 
 
 # The opt-in f16-accumulating kernel (accumulation="f16") was measured against
-# cuBLASLt on 11 f16 shapes (BENCHMARKS.md, "Opt-in f16 accumulation"): ahead by
-# 2.5-5.4% where every dimension is >= 4096 and the 256x256 tiles fill their last wave
-# at least half (or there are many waves, where a part-empty last one costs little);
-# behind on small, K-short and decode shapes and on 6144^3 (4.36 waves). Elsewhere an
-# f16-accumulation request takes the f32 path the table picks: faster there, and
-# more accurate.
+# cuBLASLt on 11 unbatched f16 NN shapes with 16-byte aligned rows and f16 output
+# (BENCHMARKS.md, "Opt-in f16 accumulation"): ahead by 2.5-5.4% where every dimension
+# is >= 4096 and the 256x256 tiles fill their last wave at least half (or there are
+# many waves, where a part-empty last one costs little); behind on small, K-short and
+# decode shapes and on 6144^3 (4.36 waves). The wave count is approximate (single
+# tiles over 132 SMs; the kernel schedules 2-CTA clusters); it agrees with all 11
+# measurements. Outside what was measured (batched, unaligned rows, f32 output) and
+# where it lost, an f16-accumulation request takes the f32 path the table picks:
+# faster there, or not shown slower, and more accurate.
 F16_ACCUMULATION_TILE = 256
 F16_ACCUMULATION_MIN_DIM = 4096
 F16_ACCUMULATION_MIN_LAST_WAVE = 0.5
@@ -129,7 +132,8 @@ H200_SMS = 132  # one 256x256 tile per SM at a time (H100 SXM has as many)
 
 
 def f16_accumulation_wins(p: Problem) -> bool:
-    if min(p.m, p.n, p.k) < F16_ACCUMULATION_MIN_DIM:
+    measured_kind = p.batch <= 1 and p.rows_aligned and p.out_itemsize == 2
+    if not measured_kind or min(p.m, p.n, p.k) < F16_ACCUMULATION_MIN_DIM:
         return False
     tiles = max(p.batch, 1) * math.ceil(p.m / F16_ACCUMULATION_TILE) * math.ceil(p.n / F16_ACCUMULATION_TILE)
     waves = tiles / H200_SMS

@@ -103,15 +103,33 @@ ACCUMULATIONS = ("f32", "f16")
 F16 = jnp.dtype(jnp.float16)
 
 
-def _check_accumulation(name, accumulation, lhs, rhs, precision):
+def _check_accumulation_value(name, accumulation):
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"jax_hopper.{name}: accumulation must be one of {ACCUMULATIONS}, got {accumulation!r}")
+
+
+def _default_precision(precision) -> bool:
+    """None, or DEFAULT however spelled ("fastest", "bfloat16", a pair of them)."""
+    if precision is None:
+        return True
+    levels = precision if isinstance(precision, tuple) else (precision,)
+    try:
+        return all(lax.Precision(p) == lax.Precision.DEFAULT for p in levels)
+    except (TypeError, ValueError):  # a DotAlgorithm or another object: not a plain level
+        return False
+
+
+def _check_accumulation(name, accumulation, lhs, rhs, precision, preferred_element_type):
+    _check_accumulation_value(name, accumulation)
     if accumulation == "f16":
         if not (_is_array(lhs, True) and _is_array(rhs, True) and lhs.dtype == F16 and rhs.dtype == F16):
             raise TypeError(f"jax_hopper.{name}(accumulation='f16') takes two f16 arrays (wgmma has no bf16 "
                             f"accumulator), got {_describe(lhs)} and {_describe(rhs)}")
-        if precision not in (None, lax.Precision.DEFAULT, "default", "DEFAULT"):
+        if not _default_precision(precision):
             raise ValueError(f"jax_hopper.{name}: accumulation='f16' does not meet precision={precision!r}")
+        if preferred_element_type is not None and jnp.dtype(preferred_element_type) != F16:
+            raise ValueError(f"jax_hopper.{name}: accumulation='f16' gives f16 sums; preferred_element_type="
+                             f"{jnp.dtype(preferred_element_type).name} asks for wider ones")
 
 
 def _path(plan, lhs, out, accumulation) -> tuple[str, str, bool]:
@@ -129,7 +147,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     ``accumulation="f16"`` (f16 operands only) opts into the f16-accumulating kernel:
     see the module docstring.
     """
-    _check_accumulation("dot_general", accumulation, lhs, rhs, precision)
+    _check_accumulation("dot_general", accumulation, lhs, rhs, precision, preferred_element_type)
     if out_sharding is not None:
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                                out_sharding=out_sharding)
@@ -151,7 +169,7 @@ def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element
     """Which path ``dot_general`` takes for these operands (arrays or ShapeDtypeStructs)
     under the current policy: ("kernel" | "xla", the dispatcher rule), or ("jax", why)
     when the product is not eligible."""
-    _check_accumulation("dispatch_path", accumulation, lhs, rhs, precision)
+    _check_accumulation("dispatch_path", accumulation, lhs, rhs, precision, preferred_element_type)
     _, out, plan = _planned("dot_general", lhs, rhs, dimension_numbers, precision, preferred_element_type,
                             abstract_ok=True)
     if plan is None:
@@ -167,12 +185,11 @@ def _promote(a, b):
 def dot(a, b, *, precision=None, preferred_element_type=None, out_sharding=None, accumulation="f32"):
     """``jnp.dot`` on the Hopper kernel (N-D ``x @ W`` included); same semantics.
     ``accumulation="f16"``: see ``dot_general``."""
+    _check_accumulation_value("dot", accumulation)
     fn = functools.partial(jnp.dot, precision=precision, preferred_element_type=preferred_element_type)
     if out_sharding is not None:
         return fn(a, b, out_sharding=out_sharding)
     _check("dot", fn, a, b)
-    if accumulation not in ACCUMULATIONS:
-        raise ValueError(f"jax_hopper.dot: accumulation must be one of {ACCUMULATIONS}, got {accumulation!r}")
     if np.ndim(a) == 0 or np.ndim(b) == 0:
         return fn(a, b)  # scalar products are elementwise (nothing is summed)
     a, b = _promote(a, b)
@@ -188,6 +205,7 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
     2-D operands: C = A @ B. Leading dims of `a` against a 2-D `b` fold into M (one
     plain GEMM); batched `b` makes one batched launch over the broadcast batch.
     """
+    _check_accumulation_value("matmul", accumulation)
     fn = functools.partial(jnp.matmul, precision=precision, preferred_element_type=preferred_element_type)
     if out_sharding is not None:
         return fn(a, b, out_sharding=out_sharding)

@@ -1,15 +1,19 @@
 """The opt-in f16-accumulating kernel (accumulation="f16"): its API on any machine, its
 answers on a Hopper GPU.
 
-Error bound (GPU tests): the kernel adds one wgmma's 16 products at a time into an f16
-accumulator, so after the j-th K step of 16 the accumulator is s_j rounded to f16,
-an error of at most 2^-10 |s_j| (one f16 unit roundoff, whichever way the hardware
-rounds). Summed over the K / 16 steps, element (i, j) of C is off by at most
-2^-10 * sum_steps |s_step(i, j)|, computed here from the exact (f32) partial sums.
-A factor 2 covers what the bound leaves out (the partial sums the kernel sees are
-themselves perturbed, and the product sum inside one wgmma is not specified); a wrong
-element or a lost K step is off by |C| itself. The same tests check the error is larger
-than f32 accumulation's, so the kind really accumulates in f16.
+What the answers are held to (GPU tests). The kernel adds one wgmma's 16 products at a
+time into an f16 accumulator. Emulated here step by step -- the 16-product partial sum
+in f32, added to the f16 accumulator and rounded to nearest f16 -- this model gave the
+same relative error as the H200 measured with the benchmark's data to within 1% (K =
+1024: 1.18e-3, 4096: 2.35e-3, 8192: 3.31e-3 vs 1.18e-3, 2.35e-3, 3.32e-3;
+BENCHMARKS.md), while rounding toward zero would give 10-30x more. So:
+  - every element lies within twice 2^-10 * sum over steps of |partial sum| of the f32
+    reference (one f16 unit roundoff per accumulator update, whichever the rounding;
+    twice for the perturbed partial sums and the unspecified in-step sum);
+  - the relative error is at most 1.25x the emulation's (room for its double rounding
+    in f32 then f16, not for a lost K step, which adds ~sqrt(16 / K) relative: 25x
+    the whole f16-accumulation error at K = 4096);
+  - from K = 512 on, it is at least half the emulation's: the sums really are f16.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ F16_UNIT_ROUNDOFF_ANY_ROUNDING = 2.0**-10
 F16_ULP = 2.0**-10  # relative: one rounding of an f32 sum to f16 is within half of it
 MMA_K = 16
 BOUND_SLACK = 2.0
+MODEL_FACTOR = 1.25
+MANY_STEPS_K = 512
+ABS_FLOOR = 1e-6  # f32 noise of the reference itself
 
 
 def _inputs(a_shape, b_shape, k, seed):
@@ -79,6 +86,25 @@ def test_auto_keeps_the_f32_path_where_f16_accumulation_was_slower(shape):
     assert _path(*shape) == _path(*shape, accumulation="f32") == ("xla", "default")
 
 
+def test_auto_keeps_unmeasured_kinds_of_product_on_the_f32_path():
+    # Measured: unbatched, aligned rows, f16 out. 8191^3 (unaligned) goes to the table's
+    # unaligned-rows rule (our f32 kernel), a batched product to the table's default.
+    assert _path(8191, 8191, 8191) == ("kernel", "unaligned-rows")
+    a = jax.ShapeDtypeStruct((2, 8192, 8192), jnp.float16)
+    with jax_hopper.dispatch("auto"):
+        assert jax_hopper.dispatch_path(a, a, (((2,), (1,)), ((0,), (0,))), accumulation="f16") == ("xla", "default")
+
+
+def test_wider_output_and_default_precision_spellings():
+    a = jnp.ones((64, 64), jnp.float16)
+    with pytest.raises(ValueError, match="asks for wider ones"):
+        jax_hopper.matmul(a, a, accumulation="f16", preferred_element_type=jnp.float32)
+    for precision in ("fastest", ("default", "bfloat16"), jax.lax.Precision.DEFAULT):
+        assert jax_hopper.matmul(a, a, accumulation="f16", precision=precision).dtype == jnp.float16
+    with pytest.raises(ValueError, match="accumulation must be one of"):
+        jax_hopper.matmul(a, a, accumulation="f8", out_sharding=None)
+
+
 def test_policies_kernel_and_xla_decide_alone():
     assert _path(2048, 2048, 2048, policy="kernel") == ("kernel", "policy=kernel")
     assert _path(8192, 8192, 8192, policy="xla") == ("xla", "policy=xla")
@@ -120,21 +146,31 @@ def test_fallback_answers_with_f32_sums():
 
 # ---- answers (Hopper GPU) --------------------------------------------------------------
 
-def _f16_accumulation_bound(a, b, dims):
-    """2^-10 * sum over K steps of |partial sum| per element, from f32 partial sums."""
+def _f16_accumulation_model(a, b, dims):
+    """(emulated f16-accumulated C, per-element bound 2^-10 * sum_steps |partial sum|)."""
     (ca, cb), _ = dims
     k = a.shape[ca[0]]
     a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
-    partial = None
-    total = None
+    exact = emulated = total = None
     for k0 in range(0, k, MMA_K):
-        sl = slice(k0, min(k0 + MMA_K, k))
-        a_step = jax.lax.slice_in_dim(a32, sl.start, sl.stop, axis=ca[0])
-        b_step = jax.lax.slice_in_dim(b32, sl.start, sl.stop, axis=cb[0])
+        a_step = jax.lax.slice_in_dim(a32, k0, min(k0 + MMA_K, k), axis=ca[0])
+        b_step = jax.lax.slice_in_dim(b32, k0, min(k0 + MMA_K, k), axis=cb[0])
         step = jax.lax.dot_general(a_step, b_step, dims, precision="highest")
-        partial = step if partial is None else partial + step
-        total = jnp.abs(partial) if total is None else total + jnp.abs(partial)
-    return F16_UNIT_ROUNDOFF_ANY_ROUNDING * total
+        exact = step if exact is None else exact + step
+        total = jnp.abs(exact) if total is None else total + jnp.abs(exact)
+        emulated = (step if emulated is None else emulated.astype(jnp.float32) + step).astype(jnp.float16)
+    return emulated, F16_UNIT_ROUNDOFF_ANY_ROUNDING * total
+
+
+def _check_f16_accumulated(out, a, b, dims):
+    ref = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims, precision="highest")
+    emulated, bound = _f16_accumulation_model(a, b, dims)
+    excess = jnp.abs(out.astype(jnp.float32) - ref) - BOUND_SLACK * bound
+    assert float(excess.max()) <= ABS_FLOOR, f"{int((excess > ABS_FLOOR).sum())} elements past the bound"
+    err, err_model = relative_error(out, ref), relative_error(emulated, ref)
+    assert err <= MODEL_FACTOR * err_model + ABS_FLOOR, f"{err:.3e} vs the f16-accumulation model's {err_model:.3e}"
+    if a.shape[dims[0][0][0]] >= MANY_STEPS_K:
+        assert err >= err_model / 2, f"{err:.3e}: too accurate for f16 sums (model {err_model:.3e})"
 
 
 LAYOUTS = {  # stored A, stored B, dimension numbers
@@ -148,32 +184,28 @@ LAYOUTS = {  # stored A, stored B, dimension numbers
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("shape", [(1000, 3000, 520), (2048, 2048, 4096), (129, 257, 72), (100, 101, 103),
                                    (600, 512, 1)], ids=lambda s: "x".join(map(str, s)))
-def test_within_the_f16_accumulation_bound(hopper, layout, shape):
+def test_answers_match_f16_accumulation(hopper, layout, shape):
     m, n, k = shape
     shapes, dims = LAYOUTS[layout]
     a, b = _inputs(*shapes(m, n, k), k, seed=m + n + k)
     f = lambda x, y: jax_hopper.dot_general(x, y, dims, accumulation="f16")  # noqa: E731
     out, _ = run_into_poison(f, (m, n), jnp.float16, a, b)
     assert out.dtype == jnp.float16 and not bool(jnp.isnan(out).any()), "unwritten or NaN elements"
-    ref = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims, precision="highest")
-    excess = jnp.abs(out.astype(jnp.float32) - ref) - BOUND_SLACK * _f16_accumulation_bound(a, b, dims)
-    assert float(excess.max()) <= 1e-6, f"{int((excess > 1e-6).sum())} elements past the bound"
-    if k >= 512:  # many roundings: f16 accumulation must show, or this is not the f16 kind
-        err, err_f32 = relative_error(out, ref), relative_error(jax.lax.dot_general(a, b, dims), ref)
-        assert err > 1.5 * err_f32, f"{err:.2e} vs f32 accumulation's {err_f32:.2e}"
+    _check_f16_accumulated(out, a, b, dims)
 
 
-@pytest.mark.parametrize("out_dtype", [None, jnp.float32], ids=["out16", "out32"])
+@pytest.mark.parametrize("out_dtype", [jnp.float16, jnp.float32], ids=["out16", "out32"])
 def test_batched_and_f32_output(hopper, out_dtype):
+    # f32 output is the kernel's (the public ops refuse to widen f16 sums): the f16
+    # accumulator converted exactly, so the same error as f16 output.
+    from jax_hopper._primitive import gemm
+
     bsz, m, n, k = 3, 700, 600, 520
     a, b = _inputs((bsz, m, k), (bsz, k, n), k, seed=7)
-    f = lambda x, y: jax_hopper.matmul(x, y, preferred_element_type=out_dtype, accumulation="f16")  # noqa: E731
-    out, _ = run_into_poison(f, (bsz, m, n), out_dtype or jnp.float16, a, b)
-    assert not bool(jnp.isnan(out).any())
-    dims = (((2,), (1,)), ((0,), (0,)))
-    ref = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims, precision="highest")
-    excess = jnp.abs(out.astype(jnp.float32) - ref) - BOUND_SLACK * _f16_accumulation_bound(a, b, dims)
-    assert float(excess.max()) <= 1e-6
+    f = lambda x, y: gemm(x, y, out_dtype=out_dtype, kernel="persistent_f16acc")  # noqa: E731
+    out, _ = run_into_poison(f, (bsz, m, n), out_dtype, a, b)
+    assert out.dtype == out_dtype and not bool(jnp.isnan(out).any())
+    _check_f16_accumulated(out, a, b, (((2,), (1,)), ((0,), (0,))))
 
 
 def test_repeated_calls_are_bitwise_identical_and_grads_run(hopper):

@@ -90,6 +90,8 @@ struct GemmConfig {
   static constexpr int kMaxStoreBuffers = 2;  // two already hide a store behind the next sub-tile
   // Named hardware barriers of the consumer warpgroups' epilogues (0 is __syncthreads').
   static constexpr int kFirstEpilogueBarrier = 1;
+  static constexpr int kHardwareBarriers = 16;
+  static_assert(kFirstEpilogueBarrier + kConsumerWarpgroups <= kHardwareBarriers, "one named barrier per warpgroup");
 
   using LayoutA = OperandLayout<Element, kMajorA, kBlockM, kBlockK>;
   using LayoutB = OperandLayout<Element, kMajorB, kBlockN, kBlockK, kClusterM>;

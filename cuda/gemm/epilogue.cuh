@@ -389,9 +389,9 @@ struct TmaStoreEpilogue {
     }
   }
 
-  // Sub-tile by sub-tile through two buffers: wait until the store issued two
-  // sub-tiles ago has read its buffer, fill it, fence it for the async proxy, and let
-  // one thread issue its TMA store. The last stores stay in flight while this
+  // Sub-tile by sub-tile through kStoreBuffers buffers (2; 1 in the f16-accumulating
+  // kind): wait until the store issued kStoreBuffers sub-tiles ago has read its buffer,
+  // fill it, fence it for the async proxy, and let one thread issue its TMA store. The last stores stay in flight while this
   // warpgroup starts its next tile; `finish` waits for them before the CTA exits.
   template <class Out>
   __device__ static void store_as(const typename Direct::Acc& acc, Buffers& buffers,
