@@ -191,7 +191,7 @@ def partitioned(local_impl):
 # M and N shard as for a plain product, bias with N, residual with the output. A sharded
 # K cannot go through the fused epilogue (it needs the whole sum): each device computes
 # its f32 partial product with our plain GEMM, the partials are psum'd, and the epilogue
-# runs on the sum through XLA. Absent bias / residual are (0,) placeholders, replicated.
+# runs on the sum through XLA. An absent bias / residual is passed as an empty (0,) array, replicated.
 
 
 def _dense_shardings(mesh, arg_shapes, has_bias, has_residual):
@@ -210,7 +210,7 @@ def _dense_infer(activation, has_bias, has_residual, mesh, arg_shapes, result_sh
 
 def _dense_partition(local_impl, activation, has_bias, has_residual, mesh, arg_shapes, result_shape):
     from jax_hopper._fallback import dense_epilogue
-    from jax_hopper._primitive import gemm_p
+    from jax_hopper._primitive import DEFAULT_KERNEL, DEFAULT_STAGES, gemm_p
 
     del result_shape
     k_axes, arg_shardings, out_sharding = _dense_shardings(mesh, arg_shapes, has_bias, has_residual)
@@ -219,8 +219,8 @@ def _dense_partition(local_impl, activation, has_bias, has_residual, mesh, arg_s
         if not k_axes:
             return local_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
                               has_residual=has_residual)
-        partial = gemm_p.bind(x, w, transpose_a=False, transpose_b=False, out_dtype=_F32, kernel="persistent",
-                              stages=4)
+        partial = gemm_p.bind(x, w, transpose_a=False, transpose_b=False, out_dtype=_F32, kernel=DEFAULT_KERNEL,
+                              stages=DEFAULT_STAGES)
         return dense_epilogue(jax.lax.psum(partial, k_axes), bias if has_bias else None,
                               residual if has_residual else None, activation=activation, dtype=x.dtype)
 
