@@ -184,14 +184,11 @@ def test_stream_k_tail_is_correct_and_deterministic(hopper, shape):
         np.testing.assert_array_equal(np.asarray(f(a, b)), np.asarray(out))
 
 
-@pytest.mark.xfail(strict=True, reason="XLA's FFI scratch allocator gives the handler no memory (measured on the "
-                   "H200, 2026-11-30: the handler asks for 256-byte alignment, XLA allows 16), so the kind takes "
-                   "whole tiles; fix on branch streamk-workspace")
 def test_stream_k_really_splits_the_tail(hopper):
-    """The split is skipped, silently, where the launch gets no workspace for the partial
-    sums (prepare_stream_k); then the kind runs the default kernel's exact sums. Split, a
-    tail tile's K range is summed in pieces and added up by the finisher: a different f32
-    summation order, which some of 256 x 8192 outputs must show in their last bit."""
+    """Split, a tail tile's K range is summed in pieces and added up by the finisher: a
+    different f32 summation order from the default kernel's, which some of 256 x 8192
+    outputs must show in their last bit. (Until the workspace alignment fix, XLA gave no
+    workspace and the kind quietly ran whole tiles: the default kernel's exact bits.)"""
     from jax_hopper._primitive import gemm
 
     a, b = _inputs(256, 8192, 8192, jnp.float16, seed=8)  # 32 tiles on 66 clusters: all tail

@@ -92,9 +92,12 @@ ffi::Error decode(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
 }
 
 // XLA's scratch memory for the call (freed when the handler returns, stream-ordered, so
-// it lives until the kernel enqueued here has run).
+// it lives until the kernel enqueued here has run). XLA refuses alignments above 16
+// bytes ("Unsupported alignment", ffi_api.cc: kMaxAlignment) -- with 256 here every
+// request failed and stream-K never split (measured on the H200); 16 is what the
+// workspace's float4s need.
 std::function<void*(size_t)> scratch_of(ffi::ScratchAllocator& scratch) {
-  constexpr size_t kWorkspaceAlignment = 256;
+  constexpr size_t kWorkspaceAlignment = 16;
   return [&scratch](size_t bytes) -> void* {
     const std::optional<void*> memory = scratch.Allocate(bytes, kWorkspaceAlignment);
     return memory.has_value() ? *memory : nullptr;

@@ -120,16 +120,20 @@ Status prepare_device(const void* kernel, size_t smem, int* resident) {
   return Status::Ok();
 }
 
-// Stream-K tail: splits it when the last wave is partial and the workspace for the
-// partial sums (plus zeroed flags) can be had; otherwise the walk stays tile by tile.
+// Stream-K tail: splits it when the last wave is partial, with a workspace for the
+// partial sums (plus zeroed flags) from the caller. No workspace is an error, not a
+// quiet fall-back to whole tiles: this kind exists to measure the split (a quiet
+// fall-back once hid that it never happened).
 template <class Cfg>
 Status prepare_stream_k(const GemmArgs& args, cudaStream_t stream, WorkList* work, StreamKParams* params) {
   using Fixup = StreamKFixup<Cfg>;
-  if (work->num_tiles % work->clusters == 0 || !args.allocate_workspace) return Status::Ok();
+  if (work->num_tiles % work->clusters == 0) return Status::Ok();
   const size_t data_bytes = Fixup::workspace_bytes(work->clusters);
   const size_t flag_bytes = Fixup::flag_count(work->clusters) * sizeof(uint32_t);
-  void* memory = args.allocate_workspace(data_bytes + flag_bytes);
-  if (memory == nullptr) return Status::Ok();
+  void* memory = args.allocate_workspace ? args.allocate_workspace(data_bytes + flag_bytes) : nullptr;
+  if (memory == nullptr)
+    return Status::Internal("stream-K: no workspace for the partial sums (" + std::to_string(data_bytes + flag_bytes) +
+                            " bytes)");
   params->workspace = static_cast<float4*>(memory);
   params->flags = reinterpret_cast<uint32_t*>(static_cast<char*>(memory) + data_bytes);
   const Status st = cuda_status(cudaMemsetAsync(params->flags, 0, flag_bytes, stream), "zeroing stream-K flags");
