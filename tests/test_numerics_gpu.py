@@ -165,8 +165,8 @@ def test_batched_and_f32_output_match_f32_reference(hopper, dtype, out_dtype):
         assert err <= max(ERROR_FACTOR * err_jnp, 1e-5), f"{err:.3e} vs {err_jnp:.3e}"
 
 
-@pytest.mark.parametrize("shape", [(8192, 8192, 8192), (1000, 3000, 4160), (256, 8192, 8192)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(8192, 8192, 8192), (1000, 3000, 4160), (256, 8192, 8192), (16, 8192, 8192),
+                                   (100, 3000, 4160)], ids=lambda s: "x".join(map(str, s)))
 def test_stream_k_tail_is_correct_and_deterministic(hopper, shape):
     """The experimental stream-K kind splits the last wave's K iterations over all
     clusters and sums the partial accumulators in a fixed order: right, and bitwise the

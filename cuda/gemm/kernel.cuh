@@ -70,6 +70,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const TileCoord tile = scheduler.tile(unit.tile, cta_rank);
       const int row0 = tile.m_block * Cfg::kBlockM + warpgroup * Cfg::kWarpgroupM;
       const int col0 = tile.n_block * Cfg::kBlockN;
+      // Rows all past M (small M: the second warpgroup, the cluster's second CTA): no
+      // MMAs, no stores. A stream-K finisher and its contributors share a tile, CTA rank
+      // and warpgroup, so they skip together (nothing is published or awaited).
+      if (row0 >= out.m) {
+        Main::pass(pipe, unit.k_end - unit.k_begin, read);
+        continue;
+      }
       uint32_t bias_pair = 0;
       if constexpr (Cfg::kFusedEpilogue) bias_pair = FusedOps<Cfg>::prefetch(out, row0, col0);
       typename Cfg::Accumulator acc[Cfg::kAccumulatorRegisters];

@@ -86,6 +86,18 @@ struct Mainloop {
     }
   }
 
+  // A warpgroup with no rows inside M in this tile keeps the ring's protocol -- waits
+  // for each of its K tiles' stages and releases it at once (no wgmma reads it) -- and
+  // computes nothing, so the SM's tensor cores serve the other warpgroup alone.
+  __device__ static void pass(const Pipe& pipe, int k_tiles, State& read) {
+    const bool elected = hopper::thread_in_warpgroup() == 0;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      pipe.consumer_wait(read);
+      if (elected) pipe.consumer_release(read);
+      read.advance();
+    }
+  }
+
   // `read` carries on across the tiles of a persistent CTA. Each K tile: wait for its
   // stage, issue its MMAs, then wait until only kMmaInFlight groups are in flight and
   // release the stage of the group that just retired. With kMmaInFlight = 1 (V5 and the
