@@ -1,9 +1,12 @@
 """Forward- and reverse-mode rules for the GEMM primitive and the fused dense primitive.
 
 C = op(A) op(B) is bilinear, so its JVP is gemm(dA, B) + gemm(A, dB) and its transposes
-are two more products. Each is expressed as another gemm_p with transpose flags chosen
-so that it reads the stored operands in place: the backward pass runs our kernel in the
-NT/TN layouts, never a transposing copy and never cuBLAS.
+are two more products. Each is expressed with transpose flags chosen so that it reads
+the stored operands in place (the NT/TN layouts, never a transposing copy), and each is
+dispatched like a product the user wrote (_dispatch.choose, under the policy in effect
+while the derivative is traced): our kernel where the table says it wins (or under
+policy "kernel"), else XLA's dot -- a backward product is not slower than jnp's because
+the forward one ran our kernel.
 
 With op(X) = X^T when its flag is set:
   dA = dC op(B)^T                       -> gemm(dC, B, ta=False, tb=not tb)   (A stored [M,K])
@@ -20,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from jax_hopper._fallback import ACTIVATION_FNS
+from jax_hopper import _dispatch
+from jax_hopper._fallback import ACTIVATION_FNS, dense_like_jnp, gemm_reference
 from jax_hopper._fused import dense_p, fused_dense
 from jax_hopper._primitive import gemm, gemm_p
 
@@ -29,22 +33,34 @@ def _as_operand_type(ct, dtype):
     return ct if ct.dtype == dtype else ct.astype(dtype)
 
 
-# The backward products use the default kernel: a V5 forward (jnp.dot's layout only)
-# has no NT/TN instances to reuse.
+def _kernel_chosen(a, b, transpose_a, transpose_b) -> bool:
+    """Whether the dispatcher sends this product (16-bit result) to our kernel."""
+    problem = _dispatch.problem_of(a.shape, b.shape, a.dtype, a.dtype, transpose_a, transpose_b)
+    return _dispatch.choose(problem)[0] == "kernel"
+
+
+# A derivative's product, on the default kernel (a V5 forward, jnp.dot's layout only,
+# has no NT/TN instances to reuse) or XLA's dot, as the dispatcher says.
+def _product(a, b, *, transpose_a=False, transpose_b=False):
+    if _kernel_chosen(a, b, transpose_a, transpose_b):
+        return gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=a.dtype)
+
+
 def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     del a, out_dtype, kernel, stages
     ct = _as_operand_type(ct, b.dtype)
     if transpose_a:
-        return gemm(b, ct, transpose_a=transpose_b, transpose_b=True)
-    return gemm(ct, b, transpose_a=False, transpose_b=not transpose_b)
+        return _product(b, ct, transpose_a=transpose_b, transpose_b=True)
+    return _product(ct, b, transpose_a=False, transpose_b=not transpose_b)
 
 
 def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     del b, out_dtype, kernel, stages
     ct = _as_operand_type(ct, a.dtype)
     if transpose_b:
-        return gemm(ct, a, transpose_a=True, transpose_b=transpose_a)
-    return gemm(a, ct, transpose_a=not transpose_a, transpose_b=False)
+        return _product(ct, a, transpose_a=True, transpose_b=transpose_a)
+    return _product(a, ct, transpose_a=not transpose_a, transpose_b=False)
 
 
 ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)
@@ -53,22 +69,26 @@ ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)
 # ---- the fused dense primitive ------------------------------------------------------
 # y = act(z) + r with z = x w + b. Its JVP is
 #   dy = act'(z) (dx w + x dw + db) + dr,
-# with the tangent products on gemm_p (reverse mode transposes them into the NT/TN
-# products above: every backward product runs our kernel) in the operands' type, so
-# the backward pass moves 16-bit cotangents only, as jnp.dot's does.
+# with the tangent products dispatched like any product (_product; reverse mode
+# transposes them into the NT/TN products above) in the operands' type, so the
+# backward pass moves 16-bit cotangents only, as jnp.dot's does.
 # Without an activation y is linear in z: the primal stays one fused call (bias and
-# residual in the epilogue). With one, act' needs z: the kernel produces z (bias fused)
-# rounded to the operands' type -- jnp's own rounding point, and the cheapest thing to
-# save (recomputing z would cost a product) -- and XLA applies act and the residual in
-# one elementwise pass; under differentiation y thus carries one more rounding than the
-# undifferentiated fused call. act' is applied by XLA in the backward pass too: fusing
-# it into the epilogue of the product that produces the cotangent is not done.
+# residual in the epilogue). With one, act' needs z: z = x w + b (bias fused, one
+# rounding, where the table picks our kernel for the plain product; else as jnp: XLA's
+# dot, bias added in the 16-bit type, which XLA fuses into cuBLASLt's epilogue) in the
+# operands' type -- jnp's own rounding point, and the cheapest thing to save
+# (recomputing z would cost a product)
+# -- and XLA applies act and the residual in one elementwise pass; under
+# differentiation y thus carries one more rounding than the undifferentiated fused
+# call, and the fused activation (the forward's gain) is not used. act' is applied by
+# XLA in the backward pass too: fusing it into the epilogue of the product that
+# produces the cotangent is not done.
 def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
     x, w, bias, residual = primals
     dx, dw, dbias, dresidual = tangents
     f32 = jnp.float32
     dz = None
-    for tangent, product in ((dx, lambda t: gemm(t, w)), (dw, lambda t: gemm(x, t))):
+    for tangent, product in ((dx, lambda t: _product(t, w)), (dw, lambda t: _product(x, t))):
         if not isinstance(tangent, ad.Zero):
             dz = product(tangent) if dz is None else dz + product(tangent)
     if has_bias and not isinstance(dbias, ad.Zero):
@@ -80,7 +100,10 @@ def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
         y = fused_dense(x, w, optional_bias, residual if has_residual else None)
         dy = dz
     else:
-        z = fused_dense(x, w, optional_bias, None)
+        if _kernel_chosen(x, w, False, False):
+            z = fused_dense(x, w, optional_bias, None)
+        else:
+            z = dense_like_jnp(x, w, optional_bias, None, activation=None)
         y, dy = jax.jvp(ACTIVATION_FNS[activation], (z.astype(f32),), (dz.astype(f32),))
         if has_residual:
             y = y + residual.astype(f32)

@@ -153,6 +153,34 @@ def choose_f16_accumulation(problem: Problem, policy: str | None = None) -> tupl
     return (*choose(problem, policy), False)
 
 
+# The fused dense (ops.dense) with an activation: bias and activation in our kernel's
+# epilogue against jnp's act(x @ w + b), where XLA folds the bias and ReLU / tanh-GELU
+# into cuBLASLt's epilogue and runs other activations as a separate pass. Measured on
+# the H200 (BENCHMARKS.md, "Fused dense: the dispatcher's rule"; f16 and bf16, kernel
+# time, 3 layer shapes with all dimensions >= 4096 and K = 4096 or 8192): exact GELU
+# 1.03-1.11x on all; tanh-GELU and SiLU 1.01-1.04x at K = 4096 but 0.99-1.00x at
+# K = 8192 (the product's share grows with K, the fused pass's saving does not); ReLU
+# 0.94-0.96x (cuBLASLt fuses it too). The rule covers what won: per activation, the
+# largest K measured ahead; unbatched (ops.dense folds leading dimensions into M),
+# aligned rows, all dimensions >= FUSED_MIN_DIM. Elsewhere the plain table decides.
+FUSED_MIN_DIM = 4096
+FUSED_ACTIVATION_MAX_K = {"gelu_exact": 8192, "gelu_tanh": 4096, "silu": 4096}
+
+
+def fused_activation_wins(p: Problem, activation: str | None) -> bool:
+    max_k = FUSED_ACTIVATION_MAX_K.get(activation, 0)
+    return (p.batch <= 1 and p.rows_aligned and p.out_itemsize == p.itemsize and
+            min(p.m, p.n, p.k) >= FUSED_MIN_DIM and p.k <= max_k)
+
+
+def choose_dense(problem: Problem, activation: str | None, policy: str | None = None) -> tuple[str, str]:
+    """(path, rule) for a fused dense layer act(x w + b) [+ r] (problem: x w)."""
+    policy = current_policy() if policy is None else policy
+    if policy == "auto" and fused_activation_wins(problem, activation):
+        return "kernel", "fused-activation"
+    return choose(problem, policy)
+
+
 def choose(problem: Problem, policy: str | None = None) -> tuple[str, str]:
     """(path, rule name) for one product under `policy` (default: the current one)."""
     policy = current_policy() if policy is None else policy

@@ -32,8 +32,9 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # tail (f16, jnp.dot's layout only).
 # The opt-in f16-accumulating kind (256x256 tiles, four consumer warpgroups; f16 only)
 # is reached through accumulation="f16" on the public ops.
+# 5 is the fused kind, reached through jax_hopper.dense only.
 KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3, "persistent_wait0": 4,
-           "persistent_streamk": 6, "persistent_f16acc": 7}  # 5 is the fused kind, reached through jax_hopper.dense only
+           "persistent_streamk": 6, "persistent_f16acc": 7}
 DEFAULT_KERNEL = "persistent"
 F16_ACCUMULATION_KERNEL = "persistent_f16acc"
 DEFAULT_STAGES = 4

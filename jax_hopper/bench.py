@@ -6,6 +6,7 @@
     python -m jax_hopper.bench --shapes 8192 --layouts nn,nt,tn --batched 8x2048x2048x2048
     python -m jax_hopper.bench --sweep --dtype f16,bf16 --json sweep.json --plot sweep.png
     python -m jax_hopper.bench --shapes= --mlp 8192x4096x16384,16384x8192x28672   # fused dense blocks
+    python -m jax_hopper.bench --shapes= --dense 8192x4096x16384 --activations relu,gelu_tanh,silu
 
 Protocol (../shared/GUIDE.md section 5): the seed's data (standard normal scaled by
 K^-1/4, so C has unit variance); enough distinct input sets that they do not fit in L2,
@@ -30,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_hopper
-from jax_hopper import _ffi
+from jax_hopper import _dispatch, _ffi
+from jax_hopper._fallback import ACTIVATION_FNS
 from jax_hopper._primitive import KERNELS, gemm
 
 L2_BYTES = 60 * 2**20  # H200
@@ -345,10 +347,9 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
               (0.1 * jax.random.normal(keys[4], (d_model,), jnp.float32)).astype(dtype))
     hidden = jax.nn.gelu(x @ params[0] + params[1])  # the second dense's input, for its own rows
 
-    def ours(x, p):
-        with jax_hopper.dispatch("kernel"):  # read while jit traces
-            h = jax_hopper.dense(x, p[0], p[1], activation="gelu_tanh")
-            return jax_hopper.dense(h, p[2], p[3], residual=x)
+    def block(x, p):
+        h = jax_hopper.dense(x, p[0], p[1], activation="gelu_tanh")
+        return jax_hopper.dense(h, p[2], p[3], residual=x)
 
     def plain(x, p):
         return jax.nn.gelu(x @ p[0] + p[1]) @ p[2] + p[3] + x
@@ -358,54 +359,92 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
         # below the 16-bit range, and compare underflow with underflow).
         return jax.grad(lambda x, p: 0.5 * jnp.sum(block(x, p).astype(jnp.float32) ** 2), argnums=1)
 
-    def kernel_forced(f):
-        def run(xh, p):
-            with jax_hopper.dispatch("kernel"):
-                return f(xh, p)
-        return run
-
-    # step: (ours, plain, first argument, products in the step)
+    # step: ({variant: function}, first argument, products in the step). "jax_hopper" forces
+    # our kernel on every product, the backward ones included (the policy is read while
+    # jit traces, the derivative too); "jax_hopper auto" is what a user gets by default:
+    # the dispatcher's choice for each product.
+    dense1 = lambda xh, p: jax_hopper.dense(xh[0], p[0], p[1], activation="gelu_tanh")  # noqa: E731
+    dense2 = lambda xh, p: jax_hopper.dense(xh[1], p[2], p[3], residual=xh[0])  # noqa: E731
     steps = {
-        "forward": (ours, plain, x, 2),
-        "train": (train(ours), train(plain), x, 5),  # + dW2, dh and dW1 (no gradient for x)
-        "dense1 bias+gelu": (kernel_forced(lambda xh, p: jax_hopper.dense(xh[0], p[0], p[1], activation="gelu_tanh")),
-                             lambda xh, p: jax.nn.gelu(xh[0] @ p[0] + p[1]), (x, hidden), 1),
-        "dense2 bias+resid": (kernel_forced(lambda xh, p: jax_hopper.dense(xh[1], p[2], p[3], residual=xh[0])),
-                              lambda xh, p: xh[1] @ p[2] + p[3] + xh[0], (x, hidden), 1),
-        "x@W1 no epilogue": (kernel_forced(lambda xh, p: jax_hopper.matmul(xh[0], p[0])),
-                             lambda xh, p: xh[0] @ p[0], (x, hidden), 1),
-        "h@W2 no epilogue": (kernel_forced(lambda xh, p: jax_hopper.matmul(xh[1], p[2])),
-                             lambda xh, p: xh[1] @ p[2], (x, hidden), 1),
+        "forward": ({"jax_hopper": _kernel_forced(block), "jax_hopper auto": block, "jnp": plain}, x, 2),
+        "train": ({"jax_hopper": _kernel_forced(train(block)), "jax_hopper auto": train(block),
+                   "jnp": train(plain)}, x, 5),  # + dW2, dh and dW1 (no gradient for x)
+        "dense1 bias+gelu": ({"jax_hopper": _kernel_forced(dense1), "jax_hopper auto": dense1,
+                              "jnp": lambda xh, p: jax.nn.gelu(xh[0] @ p[0] + p[1])}, (x, hidden), 1),
+        "dense2 bias+resid": ({"jax_hopper": _kernel_forced(dense2),
+                               "jnp": lambda xh, p: xh[1] @ p[2] + p[3] + xh[0]}, (x, hidden), 1),
+        "x@W1 no epilogue": ({"jax_hopper": _kernel_forced(lambda xh, p: jax_hopper.matmul(xh[0], p[0])),
+                              "jnp": lambda xh, p: xh[0] @ p[0]}, (x, hidden), 1),
+        "h@W2 no epilogue": ({"jax_hopper": _kernel_forced(lambda xh, p: jax_hopper.matmul(xh[1], p[2])),
+                              "jnp": lambda xh, p: xh[1] @ p[2]}, (x, hidden), 1),
     }
     rows = []
-    for step, (f_ours, f_plain, first, products) in steps.items():
-        variants = [JaxVariant("jax_hopper", f_ours), JaxVariant("jnp", f_plain)]
-        out_ours, out_ref = (jax.tree.leaves(v.fn(first, params)) for v in variants)
-        err = max(float(jnp.linalg.norm(o.astype(jnp.float32) - r.astype(jnp.float32)) /
-                        jnp.linalg.norm(r.astype(jnp.float32))) for o, r in zip(out_ours, out_ref))
-        kernel = {v.name: [] for v in variants}
-        for v in variants:
-            v.kernel_ms(first, params)
-        for _ in range(KERNEL_SAMPLES):
-            for v in variants:
-                kernel[v.name].append(v.kernel_ms(first, params))
-            progress()
-        kernel_med = {n: statistics.median(ts) for n, ts in kernel.items()}
-        sustained = {v.name: statistics.median(sustained_ms(v, [(first, params)], kernel_med[v.name])
-                                               for _ in range(SUSTAINED_ROUNDS)) for v in variants}
-        flops = 2.0 * tokens * d_model * d_ff * products
-        for v in variants:
-            rows.append({
-                "batch": 0, "m": tokens, "n": d_ff, "k": d_model, "layout": f"mlp {step}", "dtype": dtype_name,
-                "variant": v.name, "clock": v.clock, "kernel_ms": kernel_med[v.name],
-                "kernel_tflops": flops / kernel_med[v.name] / 1e9,
-                "kernel_ratio_vs_jnp": kernel_med["jnp"] / kernel_med[v.name],
-                "kernel_spread_ms": [min(kernel[v.name]), max(kernel[v.name])],
-                "sustained_ms": sustained[v.name], "sustained_tflops": flops / sustained[v.name] / 1e9,
-                "sustained_ratio_vs_jnp": sustained["jnp"] / sustained[v.name],
-                "rel_error": err if v.name == "jax_hopper" else None, "input_sets": 1,
-            })
+    for step, (fns, first, products) in steps.items():
+        meta = {"batch": 0, "m": tokens, "n": d_ff, "k": d_model, "layout": f"mlp {step}", "dtype": dtype_name}
+        rows += _time_variants(fns, first, params, 2.0 * tokens * d_model * d_ff * products, meta, progress)
     return rows
+
+
+def _kernel_forced(f):
+    def run(*args):
+        with jax_hopper.dispatch("kernel"):  # read while jit traces
+            return f(*args)
+    return run
+
+
+def _time_variants(fns, first, params, flops, meta, progress, auto_path=None):
+    """Rows for variants {name: f(first, params)} of one step, "jnp" the baseline: the
+    relative error of each output against jnp's, kernel time (samples interleaved) and
+    sustained time. auto_path: the dispatcher's (path, rule) for "jax_hopper auto"."""
+    paths = {"jax_hopper": ("kernel", "forced"), "jax_hopper auto": auto_path}
+    variants = [JaxVariant(name, fn) for name, fn in fns.items()]
+    ref = jax.tree.leaves(fns["jnp"](first, params))
+    errors = {}
+    for v in variants:
+        out = jax.tree.leaves(v.fn(first, params))
+        errors[v.name] = max(float(jnp.linalg.norm(o.astype(jnp.float32) - r.astype(jnp.float32)) /
+                                   jnp.linalg.norm(r.astype(jnp.float32))) for o, r in zip(out, ref))
+    kernel = {v.name: [] for v in variants}
+    for v in variants:
+        v.kernel_ms(first, params)
+    for _ in range(KERNEL_SAMPLES):
+        for v in variants:
+            kernel[v.name].append(v.kernel_ms(first, params))
+        progress()
+    kernel_med = {n: statistics.median(ts) for n, ts in kernel.items()}
+    sustained = {v.name: statistics.median(sustained_ms(v, [(first, params)], kernel_med[v.name])
+                                           for _ in range(SUSTAINED_ROUNDS)) for v in variants}
+    return [{
+        **meta, "variant": v.name, "clock": v.clock, "kernel_ms": kernel_med[v.name],
+        "kernel_tflops": flops / kernel_med[v.name] / 1e9,
+        "kernel_ratio_vs_jnp": kernel_med["jnp"] / kernel_med[v.name],
+        "kernel_spread_ms": [min(kernel[v.name]), max(kernel[v.name])],
+        "sustained_ms": sustained[v.name], "sustained_tflops": flops / sustained[v.name] / 1e9,
+        "sustained_ratio_vs_jnp": sustained["jnp"] / sustained[v.name],
+        "rel_error": errors[v.name] if v.name != "jnp" else None, "input_sets": 1,
+        "path": (paths.get(v.name) or (None, None))[0], "rule": (paths.get(v.name) or (None, None))[1],
+    } for v in variants]
+
+
+def bench_dense(tokens, d_in, d_out, dtype_name, activation, progress):
+    """One dense layer, act(x W + b), as jax_hopper.dense (our fused kernel forced, and
+    the dispatcher's choice) against plain jnp (XLA fuses the bias and what it can of
+    the activation into cuBLASLt's epilogue). The evidence for the dispatcher's fused-
+    activation rule."""
+    dtype = DTYPES[dtype_name]
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(keys[0], (tokens, d_in), jnp.float32).astype(dtype)
+    params = ((jax.random.normal(keys[1], (d_in, d_out), jnp.float32) / d_in**0.5).astype(dtype),
+              (0.1 * jax.random.normal(keys[2], (d_out,), jnp.float32)).astype(dtype))
+    act = ACTIVATION_FNS[activation]
+    ours = lambda x, p: jax_hopper.dense(x, p[0], p[1], activation=activation)  # noqa: E731
+    fns = {"jax_hopper": _kernel_forced(ours), "jax_hopper auto": ours,
+           "jnp": lambda x, p: act(x @ p[0] + p[1])}  # as a user writes it (jax.nn.gelu etc. on the 16-bit sum)
+    meta = {"batch": 0, "m": tokens, "n": d_out, "k": d_in, "layout": f"dense bias+{activation}",
+            "dtype": dtype_name}
+    problem = _dispatch.problem_of((tokens, d_in), (d_in, d_out), dtype, dtype, False, False)
+    return _time_variants(fns, x, params, 2.0 * tokens * d_in * d_out, meta, progress,
+                          auto_path=_dispatch.choose_dense(problem, activation))
 
 
 def plot(rows, path):
@@ -454,6 +493,10 @@ def main(argv=None):
     p.add_argument("--devices", type=int, default=2, help="devices for --tp-mlp")
     p.add_argument("--mlp", default="", help="comma-separated TOKENSxDMODELxDFF MLP blocks (dense + bias + GELU + "
                    "dense + bias + residual), fused jax_hopper.dense vs plain jnp, forward and training step")
+    p.add_argument("--dense", default="", help="comma-separated TOKENSxINxOUT dense layers act(x W + b): our fused "
+                   "kernel and the dispatcher's choice vs plain jnp, for each of --activations")
+    p.add_argument("--activations", default="gelu_tanh", help="comma-separated activations for --dense: none, relu, "
+                   "gelu_tanh, gelu_exact, silu")
     p.add_argument("--json", help="write all rows to this JSON file")
     p.add_argument("--plot", help="write a PNG bar chart of TF/s per case to this file")
     args = p.parse_args(argv)
@@ -507,6 +550,19 @@ def main(argv=None):
             print(file=sys.stderr)
             print_table(mlp_rows)
             rows.extend(mlp_rows)
+
+    activations = [None if a == "none" else a for a in args.activations.split(",") if a]
+    if set(activations) - set(ACTIVATION_FNS):
+        p.error(f"unknown --activations {sorted(set(activations) - set(ACTIVATION_FNS))}")
+    for text in filter(None, args.dense.split(",")):
+        tokens, d_in, d_out = (int(x) for x in text.lower().split("x"))
+        for d in dtypes:
+            for act in activations:
+                dense_rows = bench_dense(tokens, d_in, d_out, d, act,
+                                         lambda: print(".", end="", file=sys.stderr, flush=True))
+                print(file=sys.stderr)
+                print_table(dense_rows)
+                rows.extend(dense_rows)
 
     for idx, text in enumerate(filter(None, args.tp_mlp.split(","))):
         tokens, d_model, d_ff = (int(x) for x in text.lower().split("x"))

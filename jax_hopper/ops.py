@@ -239,13 +239,15 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
 
     x [..., K], w [K, N], bias [N] or None, residual [..., N] or None; activation None,
     "relu", "gelu_tanh" (jax.nn.gelu's default), "gelu_exact" or "silu". Arithmetic is
-    the kernel's everywhere: f32 products and sums, bias, activation and residual in f32,
-    one rounding to the result type (jnp's promotion of all operands). Eligible when all
-    operands share one 16-bit type; then the dispatcher picks the fused kernel or the
-    same arithmetic through XLA (policy "kernel": always the kernel). Differentiable (the
-    products of the backward pass run our kernel) and vmappable.
+    the kernel's: f32 products and sums, bias, activation and residual in f32, one
+    rounding to the result type (jnp's promotion of all operands). Eligible when all
+    operands share one 16-bit type; then the dispatcher picks the fused kernel (rule
+    "fused-activation" where it was measured faster, policy "kernel" always) or XLA,
+    computing it as jnp would: ``act(x @ w + bias) + residual`` on 16-bit values (the
+    same answers as the user's own jnp, at its speed). Differentiable (each product of
+    the derivative is dispatched like a plain product) and vmappable.
     """
-    from jax_hopper._fallback import dense_reference
+    from jax_hopper._fallback import dense_like_jnp
     from jax_hopper._fused import ACTIVATIONS, fused_dense
 
     operands = {"x": x, "w": w, "bias": bias, "residual": residual}
@@ -273,6 +275,7 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     x2 = x.reshape(m, k)
     r2 = None if residual is None else jnp.asarray(residual, dtype).reshape(m, n)
     problem = _dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)
-    use_kernel = (jnp.dtype(dtype) in KERNEL_DTYPES and min(m, n, k) > 0 and _dispatch.choose(problem)[0] == "kernel")
-    fn = fused_dense if use_kernel else dense_reference
+    use_kernel = (jnp.dtype(dtype) in KERNEL_DTYPES and min(m, n, k) > 0 and
+                  _dispatch.choose_dense(problem, activation)[0] == "kernel")
+    fn = fused_dense if use_kernel else dense_like_jnp
     return fn(x2, w, bias, r2, activation=activation).reshape(out_shape)

@@ -187,3 +187,17 @@ def test_flax_layer_matches_linen_dense_with_the_same_parameters():
     assert out.dtype == jnp.bfloat16 and out.shape == (8, 16, 96)
     # flax's reference rounds x @ W + b to bf16 before the GELU; ours rounds once.
     assert relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_xla_path_is_jnps_own_computation(activation):
+    """Where the dispatcher picks XLA, dense computes what the user's jnp would, bit for
+    bit (16-bit intermediates, which XLA fuses into cuBLASLt's epilogue)."""
+    from jax_hopper._fallback import ACTIVATION_FNS
+
+    x, w, b, r = _operands((4, 30), 40, jnp.bfloat16, seed=3)
+    with jax_hopper.dispatch("xla"):
+        out = jax.jit(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation=activation, residual=a[3]))(x, w, b, r)
+    mine = jax.jit(lambda x, w, b, r: ACTIVATION_FNS[activation](x @ w + b) + r)(x, w, b, r)
+    assert out.dtype == jnp.bfloat16
+    assert bool((out == mine).all())

@@ -103,3 +103,74 @@ def test_every_rule_states_its_evidence():
                                                             False)), "the table must end with a catch-all"
     for rule in _dispatch.RULES:
         assert rule.path in ("kernel", "xla") and len(rule.evidence) > 20, rule
+
+
+def _lowered(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _dense_problem(m, k, n, dtype=jnp.float16):
+    return _dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_fused_activation_rule_covers_only_what_was_measured(dtype):
+    with jax_hopper.dispatch("auto"):
+        choose = _dispatch.choose_dense
+        k4096 = _dense_problem(8192, 4096, 16384, dtype)
+        for act in ("gelu_exact", "gelu_tanh", "silu"):  # measured ahead at K = 4096
+            assert choose(k4096, act) == ("kernel", "fused-activation"), act
+        assert choose(k4096, "relu") == ("xla", "default")  # cuBLASLt fuses ReLU as well: 0.94-0.96x
+        assert choose(k4096, None) == ("xla", "default")
+        k8192 = _dense_problem(8192, 8192, 28672, dtype)
+        assert choose(k8192, "gelu_exact") == ("kernel", "fused-activation")
+        assert choose(k8192, "gelu_tanh") == ("xla", "default")  # 0.995-1.004x at K = 8192
+        assert choose(_dense_problem(8192, 16384, 8192, dtype), "gelu_exact") == ("xla", "default")  # K unmeasured
+        assert choose(_dense_problem(2048, 4096, 16384, dtype), "gelu_exact") == ("xla", "default")  # M small
+        # The plain table still applies (unaligned rows: the kernel, for any activation).
+        assert choose(_dense_problem(8191, 4096, 8191, dtype), "relu") == ("kernel", "unaligned-rows")
+    with jax_hopper.dispatch("xla"):
+        assert _dispatch.choose_dense(k4096, "gelu_exact") == ("xla", "policy=xla")
+
+
+def test_dense_lowering_follows_the_rule_and_its_gradient_stays_16_bit():
+    S = jax.ShapeDtypeStruct
+    x, w, b = S((8192, 4096), jnp.float16), S((4096, 16384), jnp.float16), S((16384,), jnp.float16)
+
+    def dense(act):
+        return lambda x, w, b: jax_hopper.dense(x, w, b, activation=act)
+
+    with jax_hopper.dispatch("auto"):
+        assert re.findall(r"custom_call @(\S+)\(", _lowered(dense("gelu_exact"), x, w, b)) == ["jax_hopper_gemm_fused"]
+        assert "custom_call @jax_hopper" not in _lowered(dense("relu"), x, w, b)
+        # Differentiated, the fused activation saves nothing (act' needs z): jnp's
+        # computation, every product on XLA's dot with a 16-bit result -- no f32 dot,
+        # which is what made the old XLA path 2x slower than jnp in a training step.
+        loss = lambda x, w, b: jnp.sum(dense("gelu_exact")(x, w, b).astype(jnp.float32) ** 2)  # noqa: E731
+        text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), x, w, b)
+        dots = re.findall(r"stablehlo\.dot_general.*-> tensor<([^>]*)>", text)
+        assert len(dots) == 3 and all(d.endswith("xf16") for d in dots), dots
+        assert "custom_call @jax_hopper" not in text
+
+
+def test_backward_products_are_dispatched_like_forward_ones():
+    a, b = _structs(8192, 8192, 8192)
+
+    def loss(x, y):
+        with jax_hopper.dispatch("kernel"):  # the forward product forced onto our kernel
+            c = jax_hopper.matmul(x, y)
+        return jnp.sum(c.astype(jnp.float32) ** 2)
+
+    with jax_hopper.dispatch("auto"):  # the derivative is traced here: aligned, so XLA's dot
+        text = _lowered(jax.grad(loss, argnums=(0, 1)), a, b)
+    assert len(re.findall(r"custom_call @jax_hopper_gemm\(", text)) == 1
+    assert len(re.findall(r"stablehlo\.dot_general", text)) == 2
+    with jax_hopper.dispatch("kernel"):
+        text = _lowered(jax.grad(loss, argnums=(0, 1)), a, b)
+    assert len(re.findall(r"custom_call @jax_hopper_gemm\(", text)) == 3 and "dot_general" not in text
+    # Unaligned rows: the table picks our kernel for the backward products too.
+    u, v = _structs(8191, 8191, 8191)
+    with jax_hopper.dispatch("auto"):
+        text = _lowered(jax.grad(lambda x, y: jnp.sum(jax_hopper.matmul(x, y).astype(jnp.float32) ** 2),
+                                 argnums=(0, 1)), u, v)
+    assert len(re.findall(r"custom_call @jax_hopper_gemm\(", text)) == 3
