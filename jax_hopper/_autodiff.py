@@ -68,24 +68,32 @@ ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)
 
 # ---- the fused dense primitive ------------------------------------------------------
 # y = act(z) + r with z = x w + b. Its JVP is
-#   dy = act'(z) (dx w + x dw + db) + dr,
-# with the tangent products dispatched like any product (_product; reverse mode
+#   dy = act'(z) (dx w + x dw + db) + dr.
+# Where the table sends the plain product x w to XLA (the fused kernel was picked for
+# its activation alone), the JVP is that of jnp's own computation (below). Otherwise
+# the tangent products are dispatched like any product (_product; reverse mode
 # transposes them into the NT/TN products above) in the operands' type, so the
-# backward pass moves 16-bit cotangents only, as jnp.dot's does.
-# Without an activation y is linear in z: the primal stays one fused call (bias and
-# residual in the epilogue). With one, act' needs z: z = x w + b (bias fused, one
-# rounding, where the table picks our kernel for the plain product; else as jnp: XLA's
-# dot, bias added in the 16-bit type, which XLA fuses into cuBLASLt's epilogue) in the
+# backward pass moves 16-bit cotangents only, as jnp.dot's does. Without an activation
+# y is linear in z: the primal stays one fused call (bias and residual in the
+# epilogue). With one, act' needs z: the kernel produces z (bias fused) rounded to the
 # operands' type -- jnp's own rounding point, and the cheapest thing to save
-# (recomputing z would cost a product)
-# -- and XLA applies act and the residual in one elementwise pass; under
-# differentiation y thus carries one more rounding than the undifferentiated fused
-# call, and the fused activation (the forward's gain) is not used. act' is applied by
-# XLA in the backward pass too: fusing it into the epilogue of the product that
-# produces the cotangent is not done.
+# (recomputing z would cost a product) -- and XLA applies act and the residual in one
+# elementwise pass; under differentiation y thus carries one more rounding than the
+# undifferentiated fused call, and the fused activation (the forward's gain) is not
+# used. act' is applied by XLA in the backward pass too: fusing it into the epilogue
+# of the product that produces the cotangent is not done.
 def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
     x, w, bias, residual = primals
     dx, dw, dbias, dresidual = tangents
+    if not _kernel_chosen(x, w, False, False):
+        # The table sends the plain product to XLA (the fused kernel was picked for its
+        # activation, a saving the derivative cannot use): differentiate jnp's own
+        # computation, so a training step runs exactly what the user's jnp would.
+        def like_jnp(x, w, bias, residual):
+            return dense_like_jnp(x, w, bias if has_bias else None, residual if has_residual else None,
+                                  activation=activation)
+
+        return jax.jvp(like_jnp, primals, tuple(ad.instantiate_zeros(t) for t in tangents))
     f32 = jnp.float32
     dz = None
     for tangent, product in ((dx, lambda t: _product(t, w)), (dw, lambda t: _product(x, t))):
@@ -100,10 +108,7 @@ def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
         y = fused_dense(x, w, optional_bias, residual if has_residual else None)
         dy = dz
     else:
-        if _kernel_chosen(x, w, False, False):
-            z = fused_dense(x, w, optional_bias, None)
-        else:
-            z = dense_like_jnp(x, w, optional_bias, None, activation=None)
+        z = fused_dense(x, w, optional_bias, None)
         y, dy = jax.jvp(ACTIVATION_FNS[activation], (z.astype(f32),), (dz.astype(f32),))
         if has_residual:
             y = y + residual.astype(f32)

@@ -201,3 +201,27 @@ def test_xla_path_is_jnps_own_computation(activation):
     mine = jax.jit(lambda x, w, b, r: ACTIVATION_FNS[activation](x @ w + b) + r)(x, w, b, r)
     assert out.dtype == jnp.bfloat16
     assert bool((out == mine).all())
+
+
+def test_gradient_where_only_the_activation_picked_the_kernel_is_jnps(monkeypatch):
+    """The fused-activation rule picks our kernel for the forward value; its gradient
+    cannot use the fused activation, and the plain product is XLA's: the derivative is
+    jnp's own, bit for bit. (The rule's size threshold is lowered to reach it here.)"""
+    from jax_hopper import _dispatch
+    from jax_hopper._fallback import ACTIVATION_FNS
+
+    monkeypatch.setattr(_dispatch, "FUSED_MIN_DIM", 16)
+    x, w, b, r = _operands((48, 64), 32, jnp.float16, seed=4)
+
+    def loss(f):
+        return lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
+
+    ours = loss(lambda x, w, b, r: jax_hopper.dense(x, w, b, activation="silu", residual=r))
+    theirs = loss(lambda x, w, b, r: ACTIVATION_FNS["silu"](x @ w + b) + r)
+    with jax_hopper.dispatch("auto"):
+        text = _lowered(ours, x, w, b, r)
+        assert re.findall(r"custom_call @(\S+)\(", text) == ["jax_hopper_gemm_fused"]
+        g_ours = jax.jit(jax.grad(ours, argnums=(0, 1, 2, 3)))(x, w, b, r)
+    g_theirs = jax.jit(jax.grad(theirs, argnums=(0, 1, 2, 3)))(x, w, b, r)
+    for go, gt in zip(g_ours, g_theirs):
+        assert go.dtype == gt.dtype and bool((go == gt).all())
