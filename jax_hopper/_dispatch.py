@@ -156,7 +156,7 @@ def choose_f16_accumulation(problem: Problem, policy: str | None = None) -> tupl
 # The fused dense (ops.dense) with an activation: bias and activation in our kernel's
 # epilogue against jnp's act(x @ w + b), where XLA folds the bias and ReLU / tanh-GELU
 # into cuBLASLt's epilogue and runs other activations as a separate pass. Measured on
-# the H200 (BENCHMARKS.md, "Fused dense: the dispatcher's rule"; f16 and bf16, kernel
+# the H200 (BENCHMARKS.md, "Dispatcher: derivatives and the fused dense"; f16, bf16, kernel
 # time, 3 layer shapes with all dimensions >= 4096 and K = 4096 or 8192): exact GELU
 # 1.03-1.11x on all; tanh-GELU and SiLU 1.01-1.04x at K = 4096 but 0.99-1.00x at
 # K = 8192 (the product's share grows with K, the fused pass's saving does not); ReLU
