@@ -39,28 +39,38 @@ def _kernel_chosen(a, b, transpose_a, transpose_b) -> bool:
     return _dispatch.choose(problem)[0] == "kernel"
 
 
+def _sharding_of(x):
+    """The sharding in x's type. An operand being differentiated is a placeholder with an
+    aval (UndefinedPrimal; ValAccum in newer jax), not an array."""
+    aval = x.aval if hasattr(x, "aval") else jax.typeof(x)
+    return getattr(aval, "sharding", None)
+
+
 # A derivative's product, on the default kernel (a V5 forward, jnp.dot's layout only,
-# has no NT/TN instances to reuse) or XLA's dot, as the dispatcher says.
-def _product(a, b, *, transpose_a=False, transpose_b=False):
+# has no NT/TN instances to reuse) or XLA's dot, as the dispatcher says. `like`: the
+# operand whose gradient this is (the result has its stored shape and takes its
+# sharding on the XLA path, as jax's own dot transpose does).
+def _product(a, b, *, transpose_a=False, transpose_b=False, like=None):
     if _kernel_chosen(a, b, transpose_a, transpose_b):
         return gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
-    return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=a.dtype)
+    return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=a.dtype,
+                          out_sharding=None if like is None else _sharding_of(like))
 
 
 def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
-    del a, out_dtype, kernel, stages
+    del out_dtype, kernel, stages
     ct = _as_operand_type(ct, b.dtype)
     if transpose_a:
-        return _product(b, ct, transpose_a=transpose_b, transpose_b=True)
-    return _product(ct, b, transpose_a=False, transpose_b=not transpose_b)
+        return _product(b, ct, transpose_a=transpose_b, transpose_b=True, like=a)
+    return _product(ct, b, transpose_a=False, transpose_b=not transpose_b, like=a)
 
 
 def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
-    del b, out_dtype, kernel, stages
+    del out_dtype, kernel, stages
     ct = _as_operand_type(ct, a.dtype)
     if transpose_b:
-        return _product(ct, a, transpose_a=True, transpose_b=transpose_a)
-    return _product(a, ct, transpose_a=not transpose_a, transpose_b=False)
+        return _product(ct, a, transpose_a=True, transpose_b=transpose_a, like=b)
+    return _product(a, ct, transpose_a=not transpose_a, transpose_b=False, like=b)
 
 
 ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)
@@ -89,11 +99,22 @@ def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
         # The table sends the plain product to XLA (the fused kernel was picked for its
         # activation, a saving the derivative cannot use): differentiate jnp's own
         # computation, so a training step runs exactly what the user's jnp would.
-        def like_jnp(x, w, bias, residual):
+        # Differentiated only in the operands with nonzero tangents (instantiating a zero
+        # tangent would add a product of zeros).
+        moving = [i for i, t in enumerate(tangents) if not isinstance(t, ad.Zero)]
+
+        def like_jnp(*moved):
+            args = list(primals)
+            for i, v in zip(moving, moved):
+                args[i] = v
+            x, w, bias, residual = args
             return dense_like_jnp(x, w, bias if has_bias else None, residual if has_residual else None,
                                   activation=activation)
 
-        return jax.jvp(like_jnp, primals, tuple(ad.instantiate_zeros(t) for t in tangents))
+        if not moving:
+            y = like_jnp()
+            return y, jnp.zeros_like(y)
+        return jax.jvp(like_jnp, [primals[i] for i in moving], [tangents[i] for i in moving])
     f32 = jnp.float32
     dz = None
     for tangent, product in ((dx, lambda t: _product(t, w)), (dw, lambda t: _product(x, t))):

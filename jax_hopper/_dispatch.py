@@ -14,6 +14,11 @@ The policy picks how the table is used:
 ``JAX_HOPPER_DISPATCH`` gives the starting value); ``with jax_hopper.dispatch(policy):``
 overrides it for a scope (per thread / context). It is read while jax traces: a
 function that ``jax.jit`` has already traced keeps the path it was traced with.
+Derivatives: each product of a derivative is dispatched when the derivative is
+traced, under the policy then in effect (so wrap ``jax.grad``, not only the forward,
+in ``dispatch("kernel")`` to force every product). jax caches the derivative of a
+jitted function with its trace, so differentiating one jitted function again under
+another policy can reuse the first derivative's paths.
 """
 
 from __future__ import annotations

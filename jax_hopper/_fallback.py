@@ -21,14 +21,20 @@ ACTIVATION_FNS = {
 }
 
 
-def gemm_reference(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype):
-    """C = op(A) @ op(B) per batch entry (leading dim when rank 3), like jnp.dot."""
+def gemm_reference(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype, out_sharding=None):
+    """C = op(A) @ op(B) per batch entry (leading dim when rank 3), like jnp.dot;
+    out_sharding as lax.dot_general's (a derivative passes its operand's, as jax's own
+    transpose rule does: under explicit mesh axes a contraction over a sharded
+    dimension needs it)."""
     nb = a.ndim - 2
     a_contract = nb + (0 if transpose_a else 1)
     b_contract = nb + (1 if transpose_b else 0)
     batch = tuple(range(nb))
     preferred = None if out_dtype == a.dtype else out_dtype
-    return lax.dot_general(a, b, (((a_contract,), (b_contract,)), (batch, batch)), preferred_element_type=preferred)
+    dims = (((a_contract,), (b_contract,)), (batch, batch))
+    if out_sharding is None:
+        return lax.dot_general(a, b, dims, preferred_element_type=preferred)
+    return lax.dot_general(a, b, dims, preferred_element_type=preferred, out_sharding=out_sharding)
 
 
 def dense_reference(x, w, bias, residual, *, activation):

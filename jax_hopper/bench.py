@@ -366,10 +366,10 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
     dense1 = lambda xh, p: jax_hopper.dense(xh[0], p[0], p[1], activation="gelu_tanh")  # noqa: E731
     dense2 = lambda xh, p: jax_hopper.dense(xh[1], p[2], p[3], residual=xh[0])  # noqa: E731
     steps = {
-        "forward": ({"jax_hopper": _kernel_forced(block), "jax_hopper auto": block, "jnp": plain}, x, 2),
-        "train": ({"jax_hopper": _kernel_forced(train(block)), "jax_hopper auto": train(block),
+        "forward": ({"jax_hopper": _kernel_forced(block), "jax_hopper auto": _auto(block), "jnp": plain}, x, 2),
+        "train": ({"jax_hopper": _kernel_forced(train(block)), "jax_hopper auto": _auto(train(block)),
                    "jnp": train(plain)}, x, 5),  # + dW2, dh and dW1 (no gradient for x)
-        "dense1 bias+gelu": ({"jax_hopper": _kernel_forced(dense1), "jax_hopper auto": dense1,
+        "dense1 bias+gelu": ({"jax_hopper": _kernel_forced(dense1), "jax_hopper auto": _auto(dense1),
                               "jnp": lambda xh, p: jax.nn.gelu(xh[0] @ p[0] + p[1])}, (x, hidden), 1),
         "dense2 bias+resid": ({"jax_hopper": _kernel_forced(dense2),
                                "jnp": lambda xh, p: xh[1] @ p[2] + p[3] + xh[0]}, (x, hidden), 1),
@@ -385,11 +385,20 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
     return rows
 
 
-def _kernel_forced(f):
+def _policy(policy, f):
     def run(*args):
-        with jax_hopper.dispatch("kernel"):  # read while jit traces
+        with jax_hopper.dispatch(policy):  # read while jit traces (the derivative included)
             return f(*args)
     return run
+
+
+def _kernel_forced(f):
+    return _policy("kernel", f)
+
+
+def _auto(f):
+    """What a user gets by default, whatever JAX_HOPPER_DISPATCH this process has."""
+    return _policy("auto", f)
 
 
 def _time_variants(fns, first, params, flops, meta, progress, auto_path=None):
@@ -398,7 +407,7 @@ def _time_variants(fns, first, params, flops, meta, progress, auto_path=None):
     sustained time. auto_path: the dispatcher's (path, rule) for "jax_hopper auto"."""
     paths = {"jax_hopper": ("kernel", "forced"), "jax_hopper auto": auto_path}
     variants = [JaxVariant(name, fn) for name, fn in fns.items()]
-    ref = jax.tree.leaves(fns["jnp"](first, params))
+    ref = jax.tree.leaves(next(v for v in variants if v.name == "jnp").fn(first, params))  # jitted, as timed
     errors = {}
     for v in variants:
         out = jax.tree.leaves(v.fn(first, params))
@@ -438,13 +447,13 @@ def bench_dense(tokens, d_in, d_out, dtype_name, activation, progress):
               (0.1 * jax.random.normal(keys[2], (d_out,), jnp.float32)).astype(dtype))
     act = ACTIVATION_FNS[activation]
     ours = lambda x, p: jax_hopper.dense(x, p[0], p[1], activation=activation)  # noqa: E731
-    fns = {"jax_hopper": _kernel_forced(ours), "jax_hopper auto": ours,
+    fns = {"jax_hopper": _kernel_forced(ours), "jax_hopper auto": _auto(ours),
            "jnp": lambda x, p: act(x @ p[0] + p[1])}  # as a user writes it (jax.nn.gelu etc. on the 16-bit sum)
-    meta = {"batch": 0, "m": tokens, "n": d_out, "k": d_in, "layout": f"dense bias+{activation}",
+    meta = {"batch": 0, "m": tokens, "n": d_out, "k": d_in, "layout": f"dense bias+{activation or 'linear'}",
             "dtype": dtype_name}
     problem = _dispatch.problem_of((tokens, d_in), (d_in, d_out), dtype, dtype, False, False)
     return _time_variants(fns, x, params, 2.0 * tokens * d_in * d_out, meta, progress,
-                          auto_path=_dispatch.choose_dense(problem, activation))
+                          auto_path=_dispatch.choose_dense(problem, activation, policy="auto"))
 
 
 def plot(rows, path):
@@ -516,6 +525,9 @@ def main(argv=None):
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:
         p.error(f"unknown --kernels {unknown}; choose from {sorted(KERNELS)}")
+    activations = [None if a == "none" else a for a in args.activations.split(",") if a]
+    if set(activations) - set(ACTIVATION_FNS):
+        p.error(f"unknown --activations {sorted(set(activations) - set(ACTIVATION_FNS))}")
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}  jax {jax.__version__}  platform {dev.platform}", flush=True)
     if dev.platform != "gpu":
@@ -551,9 +563,6 @@ def main(argv=None):
             print_table(mlp_rows)
             rows.extend(mlp_rows)
 
-    activations = [None if a == "none" else a for a in args.activations.split(",") if a]
-    if set(activations) - set(ACTIVATION_FNS):
-        p.error(f"unknown --activations {sorted(set(activations) - set(ACTIVATION_FNS))}")
     for text in filter(None, args.dense.split(",")):
         tokens, d_in, d_out = (int(x) for x in text.lower().split("x"))
         for d in dtypes:

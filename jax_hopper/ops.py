@@ -238,14 +238,15 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     and the residual add fused into our kernel's epilogue.
 
     x [..., K], w [K, N], bias [N] or None, residual [..., N] or None; activation None,
-    "relu", "gelu_tanh" (jax.nn.gelu's default), "gelu_exact" or "silu". Arithmetic is
-    the kernel's: f32 products and sums, bias, activation and residual in f32, one
-    rounding to the result type (jnp's promotion of all operands). Eligible when all
+    "relu", "gelu_tanh" (jax.nn.gelu's default), "gelu_exact" or "silu". On the kernel
+    path: f32 products and sums, bias, activation and residual in f32, one rounding to
+    the result type (jnp's promotion of all operands). Eligible when all
     operands share one 16-bit type; then the dispatcher picks the fused kernel (rule
     "fused-activation" where it was measured faster, policy "kernel" always) or XLA,
     computing it as jnp would: ``act(x @ w + bias) + residual`` on 16-bit values (the
     same answers as the user's own jnp, at its speed). Differentiable (each product of
-    the derivative is dispatched like a plain product) and vmappable.
+    the derivative is dispatched like a plain product; where only the activation picked
+    the kernel, the value and gradient under differentiation are jnp's) and vmappable.
     """
     from jax_hopper._fallback import dense_like_jnp
     from jax_hopper._fused import ACTIVATIONS, fused_dense

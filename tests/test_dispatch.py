@@ -151,6 +151,9 @@ def test_dense_lowering_follows_the_rule_and_its_gradient_stays_16_bit():
         dots = re.findall(r"stablehlo\.dot_general.*-> tensor<([^>]*)>", text)
         assert len(dots) == 3 and all(d.endswith("xf16") for d in dots), dots
         assert "custom_call @jax_hopper" not in text
+        # Only w differentiated: jnp's two products (forward, dW), no product of a zero tangent.
+        text = _lowered(jax.grad(loss, argnums=1), x, w, b)
+        assert len(re.findall(r"stablehlo\.dot_general", text)) == 2
 
 
 def test_backward_products_are_dispatched_like_forward_ones():

@@ -204,3 +204,33 @@ def test_fused_dense_inside_shard_map_with_replicated_weights_and_grad():
     assert abs(float(v1) - float(v2)) <= 1e-2 * abs(float(v2))
     for a, c in zip(g1, g2):
         assert relative_error(a, c.astype(jnp.float32)) < 1e-2
+
+
+def test_derivative_on_xla_keeps_explicit_shardings():
+    """A forward product on our kernel whose derivative the dispatcher sends to XLA's dot:
+    dW contracts over the sharded M, which under explicit axes needs the operand's
+    out_sharding, as jax's own dot transpose passes it."""
+    mm = mesh(AxisType.Explicit)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        a = jax.device_put(_random(jax.random.key(8), (M, K)), NamedSharding(mm, P("x", None)))
+        w = jax.device_put(_random(jax.random.key(9), (K, N)), NamedSharding(mm, P()))
+
+        def loss(mm_fn, policy):
+            def f(x, y):
+                with jax_hopper.dispatch(policy):
+                    c = mm_fn(x, y)
+                return jnp.sum(c.astype(jnp.float32) ** 2)
+            return f
+
+        with jax_hopper.dispatch("auto"):  # the derivative is traced here: XLA's dot for every product
+            grad = jax.jit(jax.grad(loss(jax_hopper.matmul, "kernel"), argnums=(0, 1)))
+            text = grad.trace(a, w).lower(lowering_platforms=("cuda",)).as_text()
+            # The forward on our kernel (partitioned), both derivative products on XLA's dot.
+            assert re.findall(r"custom_call @(\S+)\(", text) == ["CustomSPMDPartitioning"]
+            assert len(re.findall(r"stablehlo\.dot_general", text)) == 2
+            if ON_GPU:
+                ga, gw = grad(a, w)
+                ra, rw = jax.jit(jax.grad(loss(jnp.matmul, "auto"), argnums=(0, 1)))(a, w)
+                assert ga.sharding.is_equivalent_to(ra.sharding, 2) and gw.sharding.is_equivalent_to(rw.sharding, 2)
+                assert relative_error(ga, ra.astype(jnp.float32)) < 1e-2
+                assert relative_error(gw, rw.astype(jnp.float32)) < 1e-2
