@@ -31,10 +31,8 @@ def gemm_reference(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype, out
     b_contract = nb + (1 if transpose_b else 0)
     batch = tuple(range(nb))
     preferred = None if out_dtype == a.dtype else out_dtype
-    dims = (((a_contract,), (b_contract,)), (batch, batch))
-    if out_sharding is None:
-        return lax.dot_general(a, b, dims, preferred_element_type=preferred)
-    return lax.dot_general(a, b, dims, preferred_element_type=preferred, out_sharding=out_sharding)
+    return lax.dot_general(a, b, (((a_contract,), (b_contract,)), (batch, batch)), preferred_element_type=preferred,
+                           out_sharding=out_sharding)
 
 
 def dense_reference(x, w, bias, residual, *, activation):

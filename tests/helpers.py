@@ -79,3 +79,8 @@ def assert_same_product(out, expected, lhs, rhs, dimension_numbers):
     bad = np.abs(o - r) > np.maximum(bound, np.abs(e - r))
     assert not bad.any(), f"{bad.sum()} of {bad.size} elements are off by more than rounding; worst excess " \
                           f"{np.max(np.abs(o - r) - np.maximum(bound, np.abs(e - r))):.3e}"
+
+
+def cuda_text(fn, *args):
+    """StableHLO of jit(fn) lowered for CUDA (works on a machine without a GPU)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

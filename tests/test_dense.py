@@ -17,7 +17,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import relative_error, seed_normal
+from helpers import cuda_text, relative_error, seed_normal
 
 import jax_hopper
 
@@ -66,14 +66,10 @@ def test_value_is_the_fused_arithmetic(activation, dtype, with_bias, with_residu
     assert_close_to_reference(out, x, w, b, r, activation)
 
 
-def _lowered(fn, *args):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 def test_kernel_policy_lowers_to_one_fused_call():
     x, w, b, r = _operands((256, 128), 512, jnp.float16)
     with jax_hopper.dispatch("kernel"):
-        text = _lowered(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="gelu_tanh", residual=a[3]),
+        text = cuda_text(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="gelu_tanh", residual=a[3]),
                         x, w, b, r)
     calls = re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
     assert calls == ["jax_hopper_gemm_fused"], calls
@@ -83,7 +79,7 @@ def test_kernel_policy_lowers_to_one_fused_call():
 def test_auto_policy_on_aligned_shapes_is_xla():
     x, w, b, r = _operands((256, 128), 512, jnp.float16)
     with jax_hopper.dispatch("auto"):
-        text = _lowered(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="relu", residual=a[3]), x, w, b, r)
+        text = cuda_text(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="relu", residual=a[3]), x, w, b, r)
     assert "custom_call @jax_hopper" not in text and "dot_general" in text
 
 
@@ -102,7 +98,7 @@ def test_gradients_match_the_reference_and_run_our_kernel(activation):
         assert go.dtype == jnp.float16, name
         # 16-bit cotangents and operands in every backward product: a few f16 roundings.
         assert relative_error(go, gr.astype(jnp.float32)) < 1e-2, name
-    text = _lowered(jax.grad(ours, argnums=(0, 1)), x, w, b, r)
+    text = cuda_text(jax.grad(ours, argnums=(0, 1)), x, w, b, r)
     assert "dot_general" not in text and text.count("custom_call @jax_hopper_gemm") >= 3
 
 
@@ -121,7 +117,7 @@ def test_vmap_over_examples_folds_into_one_fused_launch():
     f = jax.vmap(lambda xi, ri: jax_hopper.dense(xi, w, b, activation="relu", residual=ri))
     assert_close_to_reference(jax.jit(f)(x, r), x, w, b, r, "relu")
     with jax_hopper.dispatch("kernel"):
-        text = _lowered(f, x, r)
+        text = cuda_text(f, x, r)
     assert text.count("custom_call @jax_hopper_gemm_fused") == 1
 
 
@@ -167,7 +163,7 @@ def test_mixed_types_promote_like_jnp_and_skip_the_kernel():
     b = jnp.ones((24,), jnp.float32)
     with jax_hopper.dispatch("kernel"):
         out = jax_hopper.dense(x, w, b, activation="relu")
-        text = _lowered(lambda x, w, b: jax_hopper.dense(x, w, b), x, w, b)
+        text = cuda_text(lambda x, w, b: jax_hopper.dense(x, w, b), x, w, b)
     assert out.dtype == jnp.float32 and "custom_call" not in text
     assert_close_to_reference(out, x, w, b, None, "relu")
 
@@ -219,7 +215,7 @@ def test_gradient_where_only_the_activation_picked_the_kernel_is_jnps(monkeypatc
     ours = loss(lambda x, w, b, r: jax_hopper.dense(x, w, b, activation="silu", residual=r))
     theirs = loss(lambda x, w, b, r: ACTIVATION_FNS["silu"](x @ w + b) + r)
     with jax_hopper.dispatch("auto"):
-        text = _lowered(ours, x, w, b, r)
+        text = cuda_text(ours, x, w, b, r)
         assert re.findall(r"custom_call @(\S+)\(", text) == ["jax_hopper_gemm_fused"]
         g_ours = jax.jit(jax.grad(ours, argnums=(0, 1, 2, 3)))(x, w, b, r)
     g_theirs = jax.jit(jax.grad(theirs, argnums=(0, 1, 2, 3)))(x, w, b, r)

@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import cuda_text
 
 import jax_hopper
 from jax_hopper import _dispatch
@@ -25,7 +26,8 @@ def _structs(m, n, k, dtype=jnp.float16):
 
 def _custom_calls(m, n, k, dtype=jnp.float16):
     a, b = _structs(m, n, k, dtype)
-    text = jax.jit(lambda x, y: jax_hopper.matmul(x, y)).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    # A fresh function each time: jit caches a trace (and the path chosen in it) per function.
+    text = cuda_text(lambda x, y: jax_hopper.matmul(x, y), a, b)
     return re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
 
 
@@ -105,10 +107,6 @@ def test_every_rule_states_its_evidence():
         assert rule.path in ("kernel", "xla") and len(rule.evidence) > 20, rule
 
 
-def _lowered(fn, *args):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 def _dense_problem(m, k, n, dtype=jnp.float16):
     return _dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)
 
@@ -141,18 +139,18 @@ def test_dense_lowering_follows_the_rule_and_its_gradient_stays_16_bit():
         return lambda x, w, b: jax_hopper.dense(x, w, b, activation=act)
 
     with jax_hopper.dispatch("auto"):
-        assert re.findall(r"custom_call @(\S+)\(", _lowered(dense("gelu_exact"), x, w, b)) == ["jax_hopper_gemm_fused"]
-        assert "custom_call @jax_hopper" not in _lowered(dense("relu"), x, w, b)
+        assert re.findall(r"custom_call @(\S+)\(", cuda_text(dense("gelu_exact"), x, w, b)) == ["jax_hopper_gemm_fused"]
+        assert "custom_call @jax_hopper" not in cuda_text(dense("relu"), x, w, b)
         # Differentiated, the fused activation saves nothing (act' needs z): jnp's
         # computation, every product on XLA's dot with a 16-bit result -- no f32 dot,
         # which is what made the old XLA path 2x slower than jnp in a training step.
         loss = lambda x, w, b: jnp.sum(dense("gelu_exact")(x, w, b).astype(jnp.float32) ** 2)  # noqa: E731
-        text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), x, w, b)
+        text = cuda_text(jax.grad(loss, argnums=(0, 1, 2)), x, w, b)
         dots = re.findall(r"stablehlo\.dot_general.*-> tensor<([^>]*)>", text)
         assert len(dots) == 3 and all(d.endswith("xf16") for d in dots), dots
         assert "custom_call @jax_hopper" not in text
         # Only w differentiated: jnp's two products (forward, dW), no product of a zero tangent.
-        text = _lowered(jax.grad(loss, argnums=1), x, w, b)
+        text = cuda_text(jax.grad(loss, argnums=1), x, w, b)
         assert len(re.findall(r"stablehlo\.dot_general", text)) == 2
 
 
@@ -165,15 +163,15 @@ def test_backward_products_are_dispatched_like_forward_ones():
         return jnp.sum(c.astype(jnp.float32) ** 2)
 
     with jax_hopper.dispatch("auto"):  # the derivative is traced here: aligned, so XLA's dot
-        text = _lowered(jax.grad(loss, argnums=(0, 1)), a, b)
+        text = cuda_text(jax.grad(loss, argnums=(0, 1)), a, b)
     assert len(re.findall(r"custom_call @jax_hopper_gemm\(", text)) == 1
     assert len(re.findall(r"stablehlo\.dot_general", text)) == 2
     with jax_hopper.dispatch("kernel"):
-        text = _lowered(jax.grad(loss, argnums=(0, 1)), a, b)
+        text = cuda_text(jax.grad(loss, argnums=(0, 1)), a, b)
     assert len(re.findall(r"custom_call @jax_hopper_gemm\(", text)) == 3 and "dot_general" not in text
     # Unaligned rows: the table picks our kernel for the backward products too.
     u, v = _structs(8191, 8191, 8191)
     with jax_hopper.dispatch("auto"):
-        text = _lowered(jax.grad(lambda x, y: jnp.sum(jax_hopper.matmul(x, y).astype(jnp.float32) ** 2),
+        text = cuda_text(jax.grad(lambda x, y: jnp.sum(jax_hopper.matmul(x, y).astype(jnp.float32) ** 2),
                                  argnums=(0, 1)), u, v)
     assert len(re.findall(r"custom_call @jax_hopper_gemm\(", text)) == 3

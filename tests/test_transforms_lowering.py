@@ -8,15 +8,12 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import cuda_text
 
 import jax_hopper
 
 F16 = jnp.float16
 M, N, K, B = 256, 512, 128, 3
-
-
-def cuda_text(fn, *args):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def calls(text):
