@@ -4,7 +4,11 @@ The decision is made at trace time from the static problem, by a table of rules
 measured on the H200 (BENCHMARKS.md, "Dispatcher"): the first rule whose condition
 holds names the path. A rule exists only where a measurement backs it; the
 catch-all sends a product to XLA, because on shapes our kernel has not been shown to
-win, the safe answer is the one that never loses.
+win, the safe answer is the one that never loses. Where the kernel cannot run (not
+built, or a CUDA GPU that is not a Hopper) a pick of the kernel becomes XLA's dot
+(rule "kernel-unavailable", with one warning): the table was measured on the H200, and
+the kernel's stand-in elsewhere (for a fused dense layer, its f32-epilogue reference)
+is slower than jnp's own computation.
 
 The policy picks how the table is used:
   "auto"    follow the table (the default);
@@ -31,6 +35,8 @@ import os
 from collections.abc import Callable
 
 import numpy as np
+
+from jax_hopper import _ffi
 
 POLICIES = ("auto", "kernel", "xla")
 _ENV = "JAX_HOPPER_DISPATCH"
@@ -154,7 +160,8 @@ def choose_f16_accumulation(problem: Problem, policy: str | None = None) -> tupl
     if policy == "kernel":
         return "kernel", "policy=kernel", True
     if policy == "auto" and f16_accumulation_wins(problem):
-        return "kernel", "f16-accumulation", True
+        path, rule = _runnable("kernel", "f16-accumulation")
+        return path, rule, path == "kernel"
     return (*choose(problem, policy), False)
 
 
@@ -182,7 +189,7 @@ def choose_dense(problem: Problem, activation: str | None, policy: str | None = 
     """(path, rule) for a fused dense layer act(x w + b) [+ r] (problem: x w)."""
     policy = current_policy() if policy is None else policy
     if policy == "auto" and fused_activation_wins(problem, activation):
-        return "kernel", "fused-activation"
+        return _runnable("kernel", "fused-activation")
     return choose(problem, policy)
 
 
@@ -193,8 +200,19 @@ def choose(problem: Problem, policy: str | None = None) -> tuple[str, str]:
         return policy, f"policy={policy}"
     for rule in RULES:
         if rule.applies(problem):
-            return rule.path, rule.name
+            return _runnable(rule.path, rule.name)
     raise AssertionError("the rule table ends with a catch-all")
+
+
+def _runnable(path: str, rule: str) -> tuple[str, str]:
+    """An "auto" pick, unless it is the kernel and the kernel cannot run here (policy
+    "kernel" still forces it: the primitive then computes through XLA, with a warning)."""
+    if path == "kernel":
+        reason = _ffi.kernel_unavailable_reason()
+        if reason is not None:
+            _ffi.warn_no_kernel_once(reason)
+            return "xla", "kernel-unavailable"
+    return path, rule
 
 
 def problem_of(a_shape, b_shape, dtype, out_dtype, transpose_a: bool, transpose_b: bool) -> Problem:

@@ -49,3 +49,23 @@ def warn_no_kernel_once(reason: str) -> None:
 
 def missing_kernel_reason() -> str:
     return f"the CUDA kernel is not built into this installation ({_IMPORT_ERROR})"
+
+
+@functools.cache
+def local_gpus_are_hopper() -> bool:
+    """True unless this process sees a CUDA GPU that is not a Hopper (sm_90) one."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return True  # lowering for CUDA from a machine without one: target Hopper
+    return all(str(getattr(d, "compute_capability", "9.0")).startswith("9") for d in devices)
+
+
+def kernel_unavailable_reason() -> str | None:
+    """Why a product sent to the kernel computes through XLA's dot here instead (not
+    built, or a CUDA GPU that is not a Hopper), or None where the kernel runs."""
+    if not register():
+        return missing_kernel_reason()
+    if not local_gpus_are_hopper():
+        return "this CUDA GPU is not a Hopper (sm_90) GPU"
+    return None

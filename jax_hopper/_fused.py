@@ -20,7 +20,6 @@ from jax_hopper import _ffi
 from jax_hopper._fallback import ACTIVATION_FNS, dense_reference
 from jax_hopper._primitive import (
     KERNEL_DTYPES,
-    _local_gpus_are_hopper,
     _match_varying_axes,
     _pad_for_tma,
     jitted_bind,
@@ -63,7 +62,9 @@ def _default_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
 
 
 def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
-    if not _ffi.register() or not _local_gpus_are_hopper():
+    reason = _ffi.kernel_unavailable_reason()
+    if reason is not None:
+        _ffi.warn_no_kernel_once(reason)
         return _default_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
                              has_residual=has_residual)
     m, n = x.shape[0], w.shape[1]

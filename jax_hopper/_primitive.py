@@ -102,21 +102,10 @@ def _pad_for_tma(a, b, transpose_a, transpose_b):
     return a, b
 
 
-@functools.cache
-def _local_gpus_are_hopper() -> bool:
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
-        return True  # lowering for CUDA from a machine without one: target Hopper
-    return all(str(getattr(d, "compute_capability", "9.0")).startswith("9") for d in devices)
-
-
 def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
-    if not _ffi.register():
-        _ffi.warn_no_kernel_once(_ffi.missing_kernel_reason())
-        return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
-    if not _local_gpus_are_hopper():
-        _ffi.warn_no_kernel_once("this CUDA GPU is not a Hopper (sm_90) GPU")
+    reason = _ffi.kernel_unavailable_reason()
+    if reason is not None:
+        _ffi.warn_no_kernel_once(reason)
         return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
     m, n, _, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
     out_shape = a.shape[:-2] + (m, n)

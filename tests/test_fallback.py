@@ -7,9 +7,10 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import jax_hopper
-from jax_hopper import _ffi, _primitive
+from jax_hopper import _dispatch, _ffi
 
 
 class _FakeGpu:
@@ -19,7 +20,7 @@ class _FakeGpu:
 
 def test_non_hopper_gpu_lowers_to_xla_dot_with_one_warning(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda *a, **k: [_FakeGpu()])
-    _primitive._local_gpus_are_hopper.cache_clear()
+    _ffi.local_gpus_are_hopper.cache_clear()
     _ffi.warn_no_kernel_once.cache_clear()
     try:
         a = jax.ShapeDtypeStruct((64, 32), jnp.float16)
@@ -32,5 +33,60 @@ def test_non_hopper_gpu_lowers_to_xla_dot_with_one_warning(monkeypatch):
         msgs = [str(w.message) for w in caught if "not a Hopper" in str(w.message)]
         assert len(msgs) == 1, msgs
     finally:
-        _primitive._local_gpus_are_hopper.cache_clear()
+        _ffi.local_gpus_are_hopper.cache_clear()
         _ffi.warn_no_kernel_once.cache_clear()
+
+
+NN = (((1,), (0,)), ((), ()))
+
+
+def _fake_non_hopper(monkeypatch):
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: [_FakeGpu()])
+    _ffi.local_gpus_are_hopper.cache_clear()
+    _ffi.warn_no_kernel_once.cache_clear()
+
+
+@pytest.fixture
+def restore_device_caches():
+    yield
+    _ffi.local_gpus_are_hopper.cache_clear()
+    _ffi.warn_no_kernel_once.cache_clear()
+
+
+def _struct(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float16)
+
+
+def test_auto_dispatch_never_picks_a_kernel_that_cannot_run(monkeypatch, restore_device_caches):
+    """Every rule that picks the kernel (unaligned rows, f16 accumulation, fused
+    activation) falls to XLA's dot on a non-Hopper GPU: the rules were measured on the
+    H200, and the kernel's stand-in there (for dense, the f32-epilogue reference) is
+    slower than jnp's own. Policy "kernel" still forces the primitive."""
+    with jax_hopper.dispatch("auto"):
+        assert jax_hopper.dispatch_path(_struct(8191, 8191), _struct(8191, 8191), NN)[0] == "kernel"  # on Hopper
+    _fake_non_hopper(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with jax_hopper.dispatch("auto"):
+            assert jax_hopper.dispatch_path(_struct(8191, 8191), _struct(8191, 8191), NN) == ("xla",
+                                                                                            "kernel-unavailable")
+            square = _dispatch.problem_of((8192, 8192), (8192, 8192), jnp.float16, jnp.float16, False, False)
+            assert _dispatch.choose_f16_accumulation(square) == ("xla", "kernel-unavailable", False)
+            layer = _dispatch.problem_of((8192, 4096), (4096, 16384), jnp.float16, jnp.float16, False, False)
+            assert _dispatch.choose_dense(layer, "gelu_exact") == ("xla", "kernel-unavailable")
+            x, w, b = _struct(8192, 4096), _struct(4096, 16384), _struct(16384)
+            text = jax.jit(lambda x, w, b: jax_hopper.dense(x, w, b, activation="gelu_exact")).trace(x, w, b).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert "custom_call" not in text and "dot_general" in text
+        with jax_hopper.dispatch("kernel"):
+            assert jax_hopper.dispatch_path(_struct(64, 64), _struct(64, 64), NN) == ("kernel", "policy=kernel")
+    assert [str(w.message) for w in caught if "not a Hopper" in str(w.message)], "no warning said why"
+
+
+def test_auto_dispatch_without_the_built_kernel_takes_xla(monkeypatch, restore_device_caches):
+    monkeypatch.setattr(_ffi, "register", lambda: False)
+    _ffi.warn_no_kernel_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught, jax_hopper.dispatch("auto"):
+        warnings.simplefilter("always")
+        assert jax_hopper.dispatch_path(_struct(8191, 8191), _struct(8191, 8191), NN) == ("xla", "kernel-unavailable")
+    assert [w for w in caught if "not built" in str(w.message)]
