@@ -65,12 +65,21 @@ def _check(name, fn, lhs, rhs):
         raise named from None
 
 
+def _is_precision_level(p) -> bool:
+    """A lax.Precision level however spelled ("highest", "bfloat16_3x", None, ...); not an
+    algorithm (a DotAlgorithm, a DotAlgorithmPreset or its name such as "BF16_BF16_F32")."""
+    try:
+        lax.Precision(p)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _plain_precision(precision) -> bool:
     """Precision levels are all met by the kernel (exact 16-bit products, f32 sums);
-    an explicit DotAlgorithm is honoured by leaving the call to XLA."""
-    if precision is None or isinstance(precision, (str, lax.Precision)):
-        return True
-    return isinstance(precision, tuple) and all(isinstance(p, (str, lax.Precision)) for p in precision)
+    an explicit algorithm is honoured by leaving the call to XLA."""
+    levels = precision if isinstance(precision, tuple) else (precision,)
+    return all(_is_precision_level(p) for p in levels)
 
 
 def _is_array(x, abstract_ok=False) -> bool:
@@ -89,7 +98,8 @@ def _planned(name, lhs, rhs, dimension_numbers, precision, preferred_element_typ
     fn = functools.partial(lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
                            preferred_element_type=preferred_element_type)
     out = _check(name, fn, lhs, rhs)
-    if not _kernel_eligible(lhs, rhs, out.dtype, precision, abstract_ok):
+    # A weak-typed result (both operands weak) stays jax's: the primitive's is strong.
+    if out.weak_type or not _kernel_eligible(lhs, rhs, out.dtype, precision, abstract_ok):
         return fn, out, None
     return fn, out, plan_dot_general(np.shape(lhs), np.shape(rhs), dimension_numbers)
 
@@ -178,8 +188,13 @@ def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element
 
 
 def _promote(a, b):
-    dtype = jnp.promote_types(jnp.result_type(a), jnp.result_type(b))
-    return jnp.asarray(a, dtype), jnp.asarray(b, dtype)
+    """jnp's promotion of the pair, or None where the result is weakly typed (both
+    operands weak: jax's own function keeps that). A weak operand does not widen the
+    other (bf16 x a weak f32 array is bf16)."""
+    dtype, weak = jax.dtypes.result_type(a, b, return_weak_type_flag=True)
+    if weak:
+        return None
+    return tuple(x if isinstance(x, jax.Array) and x.dtype == dtype else jnp.asarray(x, dtype) for x in (a, b))
 
 
 def dot(a, b, *, precision=None, preferred_element_type=None, out_sharding=None, accumulation="f32"):
@@ -190,9 +205,10 @@ def dot(a, b, *, precision=None, preferred_element_type=None, out_sharding=None,
     if out_sharding is not None:
         return fn(a, b, out_sharding=out_sharding)
     _check("dot", fn, a, b)
-    if np.ndim(a) == 0 or np.ndim(b) == 0:
-        return fn(a, b)  # scalar products are elementwise (nothing is summed)
-    a, b = _promote(a, b)
+    promoted = None if np.ndim(a) == 0 or np.ndim(b) == 0 else _promote(a, b)
+    if promoted is None:
+        return fn(a, b)  # scalar products are elementwise (nothing is summed); weak results
+    a, b = promoted
     contract = ((a.ndim - 1,), (max(b.ndim - 2, 0),))
     return dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=preferred_element_type,
                        accumulation=accumulation)
@@ -209,11 +225,14 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
     fn = functools.partial(jnp.matmul, precision=precision, preferred_element_type=preferred_element_type)
     if out_sharding is not None:
         return fn(a, b, out_sharding=out_sharding)
+    _check("matmul", fn, a, b)  # jax's errors first (a scalar operand: its ValueError)
     if not (_is_array(a) and _is_array(b)):
         raise TypeError(f"jax_hopper.matmul: operands must be jax or numpy arrays, got "
                         f"{type(a).__name__} and {type(b).__name__}")
-    _check("matmul", fn, a, b)
-    a, b = _promote(a, b)
+    promoted = _promote(a, b)
+    if promoted is None:
+        return fn(a, b)
+    a, b = promoted
     kw = dict(precision=precision, preferred_element_type=preferred_element_type, accumulation=accumulation)
     a_vec, b_vec = a.ndim == 1, b.ndim == 1
     a2 = a[None, :] if a_vec else a

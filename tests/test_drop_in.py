@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_product, hopper_devices
+from helpers import assert_same_product, cuda_text, hopper_devices
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -117,3 +117,68 @@ def test_zero_size_dimensions_match_jnp():
         ours, ref = jax.jit(jax_hopper.matmul)(a, b), jnp.matmul(a, b)
         assert ours.shape == ref.shape
         np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(ref, np.float32))
+
+
+def _weak_f32(shape):
+    return jnp.full(shape, 0.02)  # a Python float fill: f32, weakly typed
+
+
+def test_a_weak_operand_does_not_widen_the_result_and_the_kernel_still_runs():
+    """jnp promotes the pair jointly: bf16 x a weak f32 array is bf16 (promoting each
+    operand on its own widened it to f32 and left the kernel out)."""
+    x = jnp.ones((16, 32), jnp.bfloat16)
+    w = _weak_f32((32, 8))
+    assert w.weak_type
+    for ours_fn, ref_fn in [(jax_hopper.dot, jnp.dot), (jax_hopper.matmul, jnp.matmul)]:
+        ours, ref = ours_fn(x, w), ref_fn(x, w)
+        assert (ours.dtype, ours.weak_type) == (ref.dtype, ref.weak_type) == (jnp.bfloat16, False)
+        with jax_hopper.dispatch("kernel"):
+            assert TARGET_CALL in cuda_text(lambda a, b: ours_fn(a, b), x, w)
+        # A weak vector operand too.
+        assert ours_fn(x, _weak_f32((32,))).dtype == ref_fn(x, _weak_f32((32,))).dtype
+
+
+def test_weakly_typed_results_stay_weak_like_jax():
+    w = _weak_f32((8, 8))
+    for ours_fn, ref_fn in [(jax_hopper.dot, jnp.dot), (jax_hopper.matmul, jnp.matmul)]:
+        ours, ref = ours_fn(w, w), ref_fn(w, w)
+        assert (ours.dtype, ours.weak_type) == (ref.dtype, ref.weak_type)
+    # Two weak 16-bit operands of dot_general (only jax internals make them): jax's weak
+    # result, not the primitive's strong one.
+    convert = getattr(getattr(jax._src.lax, "lax", None), "_convert_element_type", None)
+    if convert is None:
+        pytest.skip("this jax has no internal weak-type conversion to build a weak bf16 array")
+    h = convert(w, jnp.dtype(jnp.bfloat16), weak_type=True)
+    assert h.weak_type
+    dn = (((1,), (0,)), ((), ()))
+    with jax_hopper.dispatch("kernel"):
+        ours, ref = jax_hopper.dot_general(h, h, dn), jax.lax.dot_general(h, h, dn)
+        assert (ours.dtype, ours.weak_type) == (ref.dtype, ref.weak_type) == (jnp.bfloat16, True)
+
+
+@pytest.mark.parametrize("preset", ["BF16_BF16_F32", "F16_F16_F32", "TF32_TF32_F32"])
+def test_algorithm_preset_names_are_left_to_jax(preset):
+    """An algorithm named by string is an explicit algorithm, not a precision level:
+    jax itself computes it (or refuses it on this platform), never our kernel."""
+    a = jnp.ones((16, 32), jnp.float16)
+    b = jnp.ones((32, 8), jnp.float16)
+    with jax_hopper.dispatch("kernel"):
+        assert jax_hopper.dispatch_path(a, b, (((1,), (0,)), ((), ())), precision=preset)[0] == "jax"
+        text = cuda_text(lambda x, y: jax_hopper.dot(x, y, precision=preset, preferred_element_type=jnp.float32),
+                         a, b)
+        assert TARGET_CALL not in text
+    # Precision levels spelled as strings still run the kernel.
+    with jax_hopper.dispatch("kernel"):
+        assert TARGET_CALL in cuda_text(lambda x, y: jax_hopper.dot(x, y, precision="highest"), a, b)
+
+
+def test_matmul_with_a_scalar_raises_jnp_error():
+    x = jnp.ones((4, 4), jnp.float16)
+    for scalar in (2.0, np.float32(2)):
+        with pytest.raises(ValueError):
+            jnp.matmul(x, scalar)
+        with pytest.raises(ValueError, match="jax_hopper.matmul"):
+            jax_hopper.matmul(x, scalar)
+
+
+TARGET_CALL = "custom_call @jax_hopper_gemm"
