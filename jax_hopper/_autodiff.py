@@ -121,7 +121,8 @@ def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
         if not isinstance(tangent, ad.Zero):
             dz = product(tangent) if dz is None else dz + product(tangent)
     if has_bias and not isinstance(dbias, ad.Zero):
-        dz = dbias if dz is None else dz + dbias
+        # Alone (x and w fixed: a bias-only fine-tune) the bias tangent still spans all rows.
+        dz = jnp.broadcast_to(dbias, (x.shape[0], w.shape[1])) if dz is None else dz + dbias
     if dz is None:
         dz = jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
     optional_bias = bias if has_bias else None

@@ -18,6 +18,7 @@ so they lower exactly as without this wrapper.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +49,9 @@ def _spec_of(sharding, ndim):
     return _axes(PartitionSpec() if spec is None else spec, ndim)
 
 
-def _plan(a_sharding, b_sharding, ndim, transpose_a, transpose_b):
+def _plan(a_sharding, b_sharding, a_shape, transpose_a, transpose_b):
     """Mesh axes for (batch, m, n, k), each mesh axis used by at most one role."""
+    ndim = len(a_shape)
     (ab, am, ak), (bb, bk, bn) = _roles(ndim, transpose_a, transpose_b)
     sa, sb = _spec_of(a_sharding, ndim), _spec_of(b_sharding, ndim)
     used: set[str] = set()
@@ -66,9 +68,18 @@ def _plan(a_sharding, b_sharding, ndim, transpose_a, transpose_b):
     n = take(sb[bn])
     # K is split only where both operands have it split alike, as XLA's dot does; a K
     # sharded on one side only is gathered (jnp.dot all-gathers it rather than adding an
-    # all-reduce of partial products).
-    k = take(sa[ak]) if sa[ak] == sb[bk] else ()
+    # all-reduce of partial products). An uneven split is gathered too: the last shard's
+    # padding would be summed into the product (M, N and batch padding only adds rows
+    # or columns that are cut away).
+    k = take(sa[ak]) if sa[ak] == sb[bk] and _divides(a_sharding, sa[ak], a_shape[ak]) else ()
     return batch, m, n, k
+
+
+def _divides(sharding, axes, size) -> bool:
+    mesh_shape = getattr(getattr(sharding, "mesh", None), "shape", None)
+    if not axes or mesh_shape is None:
+        return True
+    return size % math.prod(mesh_shape[a] for a in axes) == 0
 
 
 def _pspec(dims):
@@ -107,14 +118,14 @@ def output_sharding(a, b, transpose_a, transpose_b):
 def _infer(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
     del out_dtype, kernel, stages, result_shape
     ndim = len(arg_shapes[0].shape)
-    plan = _plan(arg_shapes[0].sharding, arg_shapes[1].sharding, ndim, transpose_a, transpose_b)
+    plan = _plan(arg_shapes[0].sharding, arg_shapes[1].sharding, arg_shapes[0].shape, transpose_a, transpose_b)
     return _shardings(mesh, ndim, transpose_a, transpose_b, plan)[2]
 
 
 def _partition(local_impl, transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
     del result_shape
     ndim = len(arg_shapes[0].shape)
-    plan = _plan(arg_shapes[0].sharding, arg_shapes[1].sharding, ndim, transpose_a, transpose_b)
+    plan = _plan(arg_shapes[0].sharding, arg_shapes[1].sharding, arg_shapes[0].shape, transpose_a, transpose_b)
     a_sharding, b_sharding, out_sharding = _shardings(mesh, ndim, transpose_a, transpose_b, plan)
     k_axes = plan[3]
 
@@ -195,7 +206,7 @@ def partitioned(local_impl):
 
 
 def _dense_shardings(mesh, arg_shapes, has_bias, has_residual):
-    plan = _plan(arg_shapes[0].sharding, arg_shapes[1].sharding, 2, False, False)
+    plan = _plan(arg_shapes[0].sharding, arg_shapes[1].sharding, arg_shapes[0].shape, False, False)
     x_s, w_s, out_s = _shardings(mesh, 2, False, False, plan)
     replicated = NamedSharding(mesh, PartitionSpec())
     bias_s = NamedSharding(mesh, _pspec([plan[2]])) if has_bias else replicated

@@ -102,6 +102,21 @@ def test_gradients_match_the_reference_and_run_our_kernel(activation):
     assert "dot_general" not in text and text.count("custom_call @jax_hopper_gemm") >= 3
 
 
+@pytest.mark.parametrize("activation", [None, "relu", "gelu_exact"])
+def test_bias_alone_is_differentiable(activation):
+    """A bias-only fine-tune (x and w fixed): the bias tangent spans all rows (it was left
+    [N]-shaped: grad raised, jvp returned an [N] tangent)."""
+    x, w, b, r = _operands((32, 16), 24, jnp.float16, seed=4)
+    f = lambda bias: jax_hopper.dense(x, w, bias, activation=activation, residual=r)  # noqa: E731
+    g = lambda bias: f32_reference(x, w, bias, r, activation)  # noqa: E731
+    grad = jax.grad(lambda bias: jnp.sum(f(bias).astype(jnp.float32) ** 2))(b)
+    grad_ref = jax.grad(lambda bias: jnp.sum(g(bias) ** 2))(b)
+    assert grad.shape == b.shape and relative_error(grad, grad_ref) < 1e-2
+    _, dy = jax.jvp(f, (b,), (b,))
+    _, dy_ref = jax.jvp(g, (b,), (b,))
+    assert dy.shape == (32, 24) and relative_error(dy, dy_ref) < 2e-2
+
+
 def test_forward_mode():
     x, w, b, r = _operands((32, 16), 24, jnp.bfloat16, seed=2)
     tangents = _operands((32, 16), 24, jnp.bfloat16, seed=3)

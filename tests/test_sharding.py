@@ -234,3 +234,23 @@ def test_derivative_on_xla_keeps_explicit_shardings():
                 assert ga.sharding.is_equivalent_to(ra.sharding, 2) and gw.sharding.is_equivalent_to(rw.sharding, 2)
                 assert relative_error(ga, ra.astype(jnp.float32)) < 1e-2
                 assert relative_error(gw, rw.astype(jnp.float32)) < 1e-2
+
+
+def test_unevenly_sharded_contraction_is_gathered_not_summed_with_padding():
+    """K = 62 over a 4-way axis: the last shard is padded, and summing the padding into
+    the product gave the K = 64 answer silently. Such a K is gathered (M, N and batch
+    padding only adds rows or columns that are cut away)."""
+    m = mesh()
+    ka, kb = jax.random.split(jax.random.key(7))
+    a = jax.device_put(_random(ka, (M, K)), NamedSharding(m, P(None, "x")))
+    b = jax.device_put(_random(kb, (K, N)), NamedSharding(m, P("x", None)))
+    k_uneven = K - 2  # not a multiple of the axis size (MESH_SHAPE[0] >= 2 and K % 4 == 0)
+    assert k_uneven % MESH_SHAPE[0] != 0 or MESH_SHAPE[0] == 1
+    f = lambda mm: jax.jit(lambda x, y: mm(x[:, :k_uneven], y[:k_uneven]))  # noqa: E731
+    ours, ref = f(jax_hopper.matmul)(a, b), f(jnp.matmul)(a, b)
+    exact = np.asarray(a, np.float32)[:, :k_uneven] @ np.asarray(b, np.float32)[:k_uneven]
+    assert relative_error(ours, exact) <= 1.5 * relative_error(ref, exact) + 1e-6
+    w_bias = jnp.zeros((N,), jnp.float16) + 0.5
+    dense = jax.jit(lambda x, w: jax_hopper.dense(x[:, :k_uneven], w[:k_uneven], w_bias, activation="relu"))(a, b)
+    dense_ref = np.maximum(exact + 0.5, 0)
+    assert relative_error(dense, dense_ref) < 1e-2
