@@ -15,10 +15,10 @@ or ``set_dispatch("kernel")`` always runs ours.
 from jax_hopper import _ffi
 from jax_hopper._dispatch import dispatch, set_dispatch
 from jax_hopper._ffi import GEMM_TARGET, kernel_available
-from jax_hopper.ops import dense, dispatch_path, dot, dot_general, matmul
+from jax_hopper.ops import PRODUCT_NAME, dense, dispatch_path, dot, dot_general, matmul
 
 __version__ = "0.1.0"
-__all__ = ["GEMM_TARGET", "dense", "dispatch", "dispatch_path", "dot", "dot_general", "kernel_available", "matmul",
-           "set_dispatch"]
+__all__ = ["GEMM_TARGET", "PRODUCT_NAME", "dense", "dispatch", "dispatch_path", "dot", "dot_general",
+           "kernel_available", "matmul", "set_dispatch"]
 
 _ffi.register()

@@ -46,13 +46,28 @@ def _sharding_of(x):
     return getattr(aval, "sharding", None)
 
 
+def _in_type_of(y, like):
+    """y resharded to `like`'s sharding where explicit mesh axes put it in the type: the
+    kernel's result follows its own operands (batch and M from the first), and a
+    cotangent must have its primal's type (a batch sharded on one operand only gave the
+    other's gradient a sharded batch, which jax refuses)."""
+    want = None if like is None else _sharding_of(like)
+    have = getattr(jax.typeof(y), "sharding", None)
+    if want is None or have is None or not hasattr(want, "spec") or not hasattr(have, "spec"):
+        return y
+    if not any("Explicit" in str(t) for t in getattr(want.mesh, "axis_types", ())):
+        return y
+    pad = lambda spec: tuple(spec) + (None,) * (y.ndim - len(tuple(spec)))  # noqa: E731
+    return y if pad(want.spec) == pad(have.spec) else jax.sharding.reshard(y, want.spec)
+
+
 # A derivative's product, on the default kernel (a V5 forward, jnp.dot's layout only,
 # has no NT/TN instances to reuse) or XLA's dot, as the dispatcher says. `like`: the
 # operand whose gradient this is (the result has its stored shape and takes its
 # sharding on the XLA path, as jax's own dot transpose does).
 def _product(a, b, *, transpose_a=False, transpose_b=False, like=None):
     if _kernel_chosen(a, b, transpose_a, transpose_b):
-        return gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+        return _in_type_of(gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b), like)
     return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=a.dtype,
                           out_sharding=None if like is None else _sharding_of(like))
 

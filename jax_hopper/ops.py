@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 # _autodiff and _batching are imported for their side effect: they register the rules.
 from jax_hopper import _autodiff, _batching, _dispatch  # noqa: F401
@@ -33,6 +34,11 @@ from jax_hopper._dimension_numbers import plan_dot_general
 from jax_hopper._primitive import DEFAULT_KERNEL, F16_ACCUMULATION_KERNEL, KERNEL_DTYPES, gemm
 
 F32 = jnp.dtype(jnp.float32)
+# The name our kernel's products carry for jax.checkpoint policies: jax's dot policies
+# (dots_saveable, ...) match lax.dot_general only, so a remat that should save products
+# names them: save_only_these_names(PRODUCT_NAME), or save_from_both_policies(
+# dots_saveable, save_only_these_names(PRODUCT_NAME)) for jnp's dots and ours alike.
+PRODUCT_NAME = "jax_hopper_product"
 
 
 def _struct(x):
@@ -171,7 +177,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     c = gemm(a.reshape(plan.lhs_shape), b.reshape(plan.rhs_shape), transpose_a=plan.transpose_a,
              transpose_b=plan.transpose_b, out_dtype=out.dtype,
              kernel=F16_ACCUMULATION_KERNEL if path[2] else DEFAULT_KERNEL)
-    return c.reshape(plan.out_shape)
+    return checkpoint_name(c.reshape(plan.out_shape), PRODUCT_NAME)
 
 
 def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,

@@ -78,3 +78,19 @@ def test_jvp_and_linearize_match_jnp():
     assert relative_error(t_ours, exact) <= 2 * ERROR_FACTOR * relative_error(t_theirs, exact)
     _, lin = jax.linearize(f_ours, a, b)
     assert relative_error(lin(da, db), exact) <= 2 * ERROR_FACTOR * relative_error(t_theirs, exact)
+
+
+def test_remat_policies_can_save_our_products_by_name():
+    """jax's dot policies match lax.dot_general only; our products carry PRODUCT_NAME so
+    a policy can save them (else the backward pass recomputes every product)."""
+    x, w = jnp.ones((16, 32), jnp.float16), jnp.ones((32, 8), jnp.float16)
+
+    def products_in_grad(policy):
+        f = jax.checkpoint(lambda x, w: jnp.sum(jnp.sin(jax_hopper.matmul(x, w)).astype(jnp.float32)), policy=policy)
+        return str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w)).count("jax_hopper_gemm")
+
+    names = jax.checkpoint_policies.save_only_these_names(jax_hopper.PRODUCT_NAME)
+    assert products_in_grad(names) == 3  # forward + two backward products, nothing recomputed
+    assert products_in_grad(jax.checkpoint_policies.nothing_saveable) == 4
+    both = jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable, names)
+    assert products_in_grad(both) == 3

@@ -254,3 +254,21 @@ def test_unevenly_sharded_contraction_is_gathered_not_summed_with_padding():
     dense = jax.jit(lambda x, w: jax_hopper.dense(x[:, :k_uneven], w[:k_uneven], w_bias, activation="relu"))(a, b)
     dense_ref = np.maximum(exact + 0.5, 0)
     assert relative_error(dense, dense_ref) < 1e-2
+
+
+def test_explicit_batch_sharded_on_one_operand_differentiates_like_lax():
+    """The other operand's gradient comes out of our kernel batch-sharded like the
+    cotangent; jax wants its primal's type (it raised 'Expected cotangent type')."""
+    mm = mesh(AxisType.Explicit)
+    dn = (((2,), (1,)), ((0,), (0,)))
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        a = jax.device_put(_random(jax.random.key(8), (B, M, K)), NamedSharding(mm, P("x")))
+        b = jax.device_put(_random(jax.random.key(9), (B, K, N)), NamedSharding(mm, P()))
+
+        def grads(f):
+            return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w, dn).astype(jnp.float32) ** 2), argnums=(0, 1)))(a, b)
+
+        ours, ref = grads(jax_hopper.dot_general), grads(lax.dot_general)
+        for go, gr in zip(ours, ref):
+            assert jax.typeof(go) == jax.typeof(gr), (jax.typeof(go), jax.typeof(gr))
+            assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
