@@ -25,7 +25,7 @@ from jax_hopper._primitive import (
     jitted_bind,
     require_devices_at_lowering,
 )
-from jax_hopper._sharding import dense_lowering
+from jax_hopper._sharding import dense_lowering, output_sharding
 
 # As the FFI handler numbers them (cuda/ffi/gemm_ffi.cc: kActivations).
 ACTIVATIONS = {None: 0, "relu": 1, "gelu_tanh": 2, "gelu_exact": 3, "silu": 4}
@@ -54,7 +54,10 @@ def _abstract_eval(x, w, bias, residual, *, activation, has_bias, has_residual):
                          f"bias{list(bias.shape)}, residual{list(residual.shape)}")
     if any(v.dtype != x.dtype for _, v, _ in expected) or x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"jax_hopper_dense takes operands of one type, f16 or bf16; got x {x.dtype}, w {w.dtype}")
-    return x.update(shape=(m, n), dtype=x.dtype, weak_type=False)
+    # Under explicit mesh axes the result's type follows jnp.dot's rule (M as x, N as w).
+    sharding = output_sharding(x, w, False, False)
+    extra = {} if sharding is None else {"sharding": sharding}
+    return x.update(shape=(m, n), dtype=x.dtype, weak_type=False, **extra)
 
 
 def _default_impl(x, w, bias, residual, *, activation, has_bias, has_residual):

@@ -296,6 +296,7 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"jax_hopper.dense: floating-point operands only; got {described}")
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+    _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
     bias = None if bias is None else jnp.asarray(bias, dtype)
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     x2 = x.reshape(m, k)

@@ -272,3 +272,22 @@ def test_explicit_batch_sharded_on_one_operand_differentiates_like_lax():
         for go, gr in zip(ours, ref):
             assert jax.typeof(go) == jax.typeof(gr), (jax.typeof(go), jax.typeof(gr))
             assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
+
+
+def test_explicit_dense_result_type_follows_jnp():
+    """The fused dense's result type under explicit axes: M as x, N as w (it copied x's
+    sharding, putting K's mesh axis on N); a sharded K asks for out_sharding like jnp."""
+    mm = mesh(AxisType.Explicit)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        x = jax.device_put(_random(jax.random.key(10), (M, K)), NamedSharding(mm, P("x", None)))
+        w = jax.device_put(_random(jax.random.key(11), (K, N)), NamedSharding(mm, P(None, "y")))
+        ours = jax.jit(lambda x, w: jax_hopper.dense(x, w, activation="relu"))(x, w)
+        ref = jax.jit(lambda x, w: jax.nn.relu(x @ w))(x, w)
+        assert jax.typeof(ours) == jax.typeof(ref), (jax.typeof(ours), jax.typeof(ref))
+        assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
+        x_k = jax.device_put(x, NamedSharding(mm, P(None, "x")))
+        w_k = jax.device_put(w, NamedSharding(mm, P("x", None)))
+        with pytest.raises(Exception, match="out_sharding"):
+            jax.jit(lambda x, w: x @ w)(x_k, w_k)
+        with pytest.raises(Exception, match="out_sharding"):
+            jax.jit(lambda x, w: jax_hopper.dense(x, w))(x_k, w_k)
