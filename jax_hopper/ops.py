@@ -107,7 +107,38 @@ def _planned(name, lhs, rhs, dimension_numbers, precision, preferred_element_typ
     # A weak-typed result (both operands weak) stays jax's: the primitive's is strong.
     if out.weak_type or not _kernel_eligible(lhs, rhs, out.dtype, precision, abstract_ok):
         return fn, out, None
+    if _folding_drops_explicit_sharding(lhs, rhs, dimension_numbers):
+        return fn, out, None
     return fn, out, plan_dot_general(np.shape(lhs), np.shape(rhs), dimension_numbers)
+
+
+def _explicit_spec(x):
+    """x's sharding spec per dimension where explicit mesh axes put it in the type, else None."""
+    try:
+        sharding = getattr(jax.typeof(x), "sharding", None)
+    except (AttributeError, TypeError):
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ())):
+        return None
+    return tuple(sharding.spec) + (None,) * (np.ndim(x) - len(tuple(sharding.spec)))
+
+
+def _folding_drops_explicit_sharding(lhs, rhs, dimension_numbers) -> bool:
+    """The kernel sees each operand as [B,] rows x columns: its batch, free and
+    contracting dims each fold into one. A dim sharded on explicit mesh axes that is not
+    the outermost of its folded group (a sharded sequence dim of x [B, S, K]) cannot keep
+    its sharding through that reshape (jax refuses it), so jax computes such a product."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    for x, contract, batch in ((lhs, tuple(lc), tuple(lb)), (rhs, tuple(rc), tuple(rb))):
+        spec = _explicit_spec(x)
+        if spec is None:
+            continue
+        free = tuple(d for d in range(np.ndim(x)) if d not in contract and d not in batch)
+        for group in (batch, free, tuple(sorted(contract))):
+            if any(spec[d] is not None for d in group[1:]):
+                return True
+    return False
 
 
 def _problem(plan, lhs, out):
@@ -189,7 +220,7 @@ def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element
     _, out, plan = _planned("dot_general", lhs, rhs, dimension_numbers, precision, preferred_element_type,
                             abstract_ok=True)
     if plan is None:
-        return "jax", "not eligible (dtypes, precision or operand types)"
+        return "jax", "not eligible (dtypes, precision, operand types, or an explicit sharding a fold would drop)"
     return _path(plan, lhs, out, accumulation)[:2]
 
 
@@ -298,6 +329,12 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
     bias = None if bias is None else jnp.asarray(bias, dtype)
+    spec = _explicit_spec(x)
+    if spec is not None and any(axes is not None for axes in spec[1:-1]):
+        # Leading dims fold into M: a sharded inner one (a sequence dim) cannot keep its
+        # explicit sharding through that reshape, so jnp's own computation runs.
+        r = None if residual is None else jnp.asarray(residual, dtype)
+        return dense_like_jnp(x, w, bias, r, activation=activation)
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     x2 = x.reshape(m, k)
     r2 = None if residual is None else jnp.asarray(residual, dtype).reshape(m, n)

@@ -291,3 +291,22 @@ def test_explicit_dense_result_type_follows_jnp():
             jax.jit(lambda x, w: x @ w)(x_k, w_k)
         with pytest.raises(Exception, match="out_sharding"):
             jax.jit(lambda x, w: jax_hopper.dense(x, w))(x_k, w_k)
+
+
+def test_explicit_sequence_sharded_activations_keep_their_sharding():
+    """x [B, S, K] with S sharded: the kernel would fold B and S into M, a reshape that
+    cannot keep S's explicit sharding (jax raised); such products run jax's own dot. A
+    sharded leading dim folds fine and keeps the kernel."""
+    mm = mesh(AxisType.Explicit)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        x = jax.device_put(_random(jax.random.key(12), (B, M, K)), NamedSharding(mm, P(None, "x")))
+        w = jax.device_put(_random(jax.random.key(13), (K, N)), NamedSharding(mm, P()))
+        ref = jax.jit(jnp.matmul)(x, w)
+        for f in (jax_hopper.matmul, jax_hopper.dot, lambda a, b: jax_hopper.dense(a, b)):
+            ours = jax.jit(f)(x, w)
+            assert jax.typeof(ours) == jax.typeof(ref), (jax.typeof(ours), jax.typeof(ref))
+            assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
+        assert jax_hopper.dispatch_path(x, w, (((2,), (0,)), ((), ())))[0] == "jax"
+        x_lead = jax.device_put(x, NamedSharding(mm, P("x")))
+        assert jax_hopper.dispatch_path(x_lead, w, (((2,), (0,)), ((), ())))[0] == "kernel"
+        assert jax.typeof(jax.jit(jax_hopper.matmul)(x_lead, w)) == jax.typeof(jax.jit(jnp.matmul)(x_lead, w))
