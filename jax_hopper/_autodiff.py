@@ -58,7 +58,7 @@ def _in_type_of(y, like):
     if not any("Explicit" in str(t) for t in getattr(want.mesh, "axis_types", ())):
         return y
     pad = lambda spec: tuple(spec) + (None,) * (y.ndim - len(tuple(spec)))  # noqa: E731
-    return y if pad(want.spec) == pad(have.spec) else jax.sharding.reshard(y, want.spec)
+    return y if pad(want.spec) == pad(have.spec) else jax.sharding.reshard(y, want)
 
 
 # A derivative's product, on the default kernel (a V5 forward, jnp.dot's layout only,
