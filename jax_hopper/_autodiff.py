@@ -27,6 +27,7 @@ from jax_hopper import _dispatch
 from jax_hopper._fallback import ACTIVATION_FNS, dense_like_jnp, gemm_reference
 from jax_hopper._fused import dense_p, fused_dense
 from jax_hopper._primitive import gemm, gemm_p
+from jax_hopper._sharding import is_explicit, padded_spec
 
 
 def _as_operand_type(ct, dtype):
@@ -53,12 +54,9 @@ def _in_type_of(y, like):
     other's gradient a sharded batch, which jax refuses)."""
     want = None if like is None else _sharding_of(like)
     have = getattr(jax.typeof(y), "sharding", None)
-    if want is None or have is None or not hasattr(want, "spec") or not hasattr(have, "spec"):
+    if not (is_explicit(want) and hasattr(have, "spec")):
         return y
-    if not any("Explicit" in str(t) for t in getattr(want.mesh, "axis_types", ())):
-        return y
-    pad = lambda spec: tuple(spec) + (None,) * (y.ndim - len(tuple(spec)))  # noqa: E731
-    return y if pad(want.spec) == pad(have.spec) else jax.sharding.reshard(y, want)
+    return y if padded_spec(want, y.ndim) == padded_spec(have, y.ndim) else jax.sharding.reshard(y, want)
 
 
 # A derivative's product, on the default kernel (a V5 forward, jnp.dot's layout only,

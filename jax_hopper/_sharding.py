@@ -98,19 +98,26 @@ def _shardings(mesh, ndim, transpose_a, transpose_b, plan):
     return tuple(NamedSharding(mesh, _pspec(d)) for d in (a_dims, b_dims, out_dims))
 
 
+def is_explicit(sharding) -> bool:
+    """Whether a type's sharding names explicit mesh axes (then it is part of the type)."""
+    mesh = getattr(sharding, "mesh", None)
+    return hasattr(sharding, "spec") and any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ()))
+
+
+def padded_spec(sharding, ndim) -> tuple:
+    """A sharding's spec with one entry per dimension (trailing ones unsharded)."""
+    return tuple(sharding.spec) + (None,) * (ndim - len(tuple(sharding.spec)))
+
+
 def output_sharding(a, b, transpose_a, transpose_b):
     """The result's sharding in the avals' type system (explicit mesh axes): batch and M
     as `a` has them, N as `b` has it, jnp.dot's rule. None where avals carry none."""
     sa, sb = getattr(a, "sharding", None), getattr(b, "sharding", None)
-    if not (hasattr(sa, "spec") and hasattr(sb, "spec") and hasattr(sa, "mesh")):
-        return None
-    axis_types = getattr(sa.mesh, "axis_types", ())
-    if not any("Explicit" in str(t) for t in axis_types):
+    if not (is_explicit(sa) and hasattr(sb, "spec")):
         return None  # no sharding in the type system: the result's aval carries none either
     ndim = a.ndim
     (ab, am, _), (_, _, bn) = _roles(ndim, transpose_a, transpose_b)
-    spec_a = tuple(sa.spec) + (None,) * (ndim - len(tuple(sa.spec)))
-    spec_b = tuple(sb.spec) + (None,) * (ndim - len(tuple(sb.spec)))
+    spec_a, spec_b = padded_spec(sa, ndim), padded_spec(sb, ndim)
     entries = ((spec_a[ab],) if ab is not None else ()) + (spec_a[am], spec_b[bn])
     return NamedSharding(sa.mesh, PartitionSpec(*entries))
 

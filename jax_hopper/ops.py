@@ -32,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_hopper import _autodiff, _batching, _dispatch  # noqa: F401
 from jax_hopper._dimension_numbers import plan_dot_general
 from jax_hopper._primitive import DEFAULT_KERNEL, F16_ACCUMULATION_KERNEL, KERNEL_DTYPES, gemm
+from jax_hopper._sharding import is_explicit, padded_spec
 
 F32 = jnp.dtype(jnp.float32)
 # The name our kernel's products carry for jax.checkpoint policies: jax's dot policies
@@ -118,10 +119,7 @@ def _explicit_spec(x):
         sharding = getattr(jax.typeof(x), "sharding", None)
     except (AttributeError, TypeError):
         return None
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or not any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ())):
-        return None
-    return tuple(sharding.spec) + (None,) * (np.ndim(x) - len(tuple(sharding.spec)))
+    return padded_spec(sharding, np.ndim(x)) if is_explicit(sharding) else None
 
 
 def _folding_drops_explicit_sharding(lhs, rhs, dimension_numbers) -> bool:
@@ -329,8 +327,7 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
     bias = None if bias is None else jnp.asarray(bias, dtype)
-    spec = _explicit_spec(x)
-    if spec is not None and any(axes is not None for axes in spec[1:-1]):
+    if _folding_drops_explicit_sharding(x, w, (((x.ndim - 1,), (0,)), ((), ()))):
         # Leading dims fold into M: a sharded inner one (a sequence dim) cannot keep its
         # explicit sharding through that reshape, so jnp's own computation runs.
         r = None if residual is None else jnp.asarray(residual, dtype)
