@@ -47,6 +47,10 @@ SWEEP_SHAPES = ("1024,2048,4096,6144,8192,16384,4096x14336x4096,4096x4096x14336,
                 "8192x8192x1024,16x8192x8192,64x8192x8192,128x8192x8192,256x8192x8192,1000,3000x5000x7000,8191,2047,4095")
 
 
+# Extra kernel kinds (--kernels) compiled for bf16 as well (cuda/gemm/instances.def).
+BF16_EXTRA_KERNELS = ("small_m",)
+
+
 def parse_shape(text: str) -> tuple[int, int, int]:
     parts = [int(p) for p in text.lower().split("x")]
     if len(parts) == 1:
@@ -198,8 +202,9 @@ def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progr
         variants.append(JaxVariant("kernel", functools.partial(gemm, transpose_a=ta, transpose_b=tb)))
     if layout == "nn" and not batch:  # the seed's V5 is compiled for jnp.dot's layout
         variants += [JaxVariant(f"V5 s={s}", functools.partial(gemm, kernel="v5", stages=s)) for s in stages_list]
-        if dtype_name == "f16":  # the default's ablations are compiled for this case only
-            variants += [JaxVariant(name, functools.partial(gemm, kernel=name)) for name in kernels]
+        # The default's ablations are compiled for f16 only; the small-M kind for both.
+        variants += [JaxVariant(name, functools.partial(gemm, kernel=name)) for name in kernels
+                     if dtype_name == "f16" or name in BF16_EXTRA_KERNELS]
     # The baseline: what jnp.dot / lax.dot_general lowers to (cuBLASLt on the H200).
     variants.append(JaxVariant("jnp.dot", functools.partial(jax.lax.dot_general, dimension_numbers=dims)))
     variant_sets = {v.name: sets for v in variants}
@@ -490,8 +495,8 @@ def main(argv=None):
     p.add_argument("--batched", default="", help="comma-separated BxMxNxK batched products (NN layout)")
     p.add_argument("--stages", default="4", help="comma-separated pipeline depths of the seed's V5 kernel to time "
                    "(2, 3, 4 are compiled for f16; 4 for bf16); empty for none")
-    p.add_argument("--kernels", default="", help="comma-separated extra kernel kinds to time (f16, NN), e.g. the "
-                   "default's ablations persistent_basic,persistent_tma,persistent_wait0")
+    p.add_argument("--kernels", default="", help="comma-separated extra kernel kinds to time (NN; f16, and bf16 "
+                   "for small_m), e.g. the default's ablations persistent_basic,persistent_tma,persistent_wait0")
     p.add_argument("--samples", type=int, default=KERNEL_SAMPLES, help="kernel-time samples per variant (median)")
     p.add_argument("--rounds", type=int, default=SUSTAINED_ROUNDS, help="sustained-throughput rounds (median)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.matmul column")

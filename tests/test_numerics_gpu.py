@@ -73,7 +73,8 @@ def test_output_is_written_into_the_poisoned_buffer(hopper):
 # default's ablations (cuda/gemm/instances.def).
 SELECTABLE = [("v5", 2, jnp.float16), ("v5", 3, jnp.float16), ("v5", 4, jnp.float16), ("v5", 4, jnp.bfloat16),
               ("persistent_basic", 4, jnp.float16), ("persistent_tma", 4, jnp.float16),
-              ("persistent_wait0", 4, jnp.float16), ("persistent_streamk", 4, jnp.float16)]
+              ("persistent_wait0", 4, jnp.float16), ("persistent_streamk", 4, jnp.float16),
+              ("small_m", 5, jnp.float16), ("small_m", 5, jnp.bfloat16)]
 
 
 @pytest.mark.parametrize("kernel,stages,dtype", SELECTABLE, ids=lambda x: getattr(x, "__name__", str(x)))
@@ -195,3 +196,41 @@ def test_stream_k_really_splits_the_tail(hopper):
     split = np.asarray(jax.jit(lambda x, y: gemm(x, y, kernel="persistent_streamk"))(a, b))
     whole = np.asarray(jax.jit(lambda x, y: gemm(x, y, kernel="persistent"))(a, b))
     assert not np.array_equal(split, whole), "stream-K gave the default kernel's bits: the tail was not split"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 8192, 8192), (16, 8192, 8192), (40, 8192, 8192), (64, 8192, 8192),
+                                   (100, 8192, 8192), (128, 4096, 14336), (16, 256, 8192), (16, 1000, 520),
+                                   (17, 14336, 4096), (3, 100, 103)], ids=lambda s: "x".join(map(str, s)))
+def test_small_m_kind_is_correct_and_deterministic(hopper, shape, dtype):
+    """The decode kind splits every tile's K range over up to 8 SMs and sums the pieces
+    in a fixed order: right (rows past M, warps holding none of them, partial N and K
+    tiles, one tile cut into 8 at 16x256x8192), and bitwise the same on every call."""
+    from jax_hopper._primitive import gemm
+
+    m, n, k = shape
+    a, b = _inputs(m, n, k, dtype, seed=11)
+    f = jax.jit(lambda x, y: gemm(x, y, kernel="small_m"))
+    out, _ = run_into_poison(f, (m, n), dtype, a, b)
+    assert not bool(jnp.isnan(out).any())
+    ref = f32_reference(a, b)
+    assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.dot(a, b), ref)
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(f(a, b)), np.asarray(out))
+    f32_out = jax.jit(lambda x, y: gemm(x, y, kernel="small_m", out_dtype=jnp.float32))(a, b)
+    # f32 output: no final rounding, both errors are f32 summation noise (as in
+    # test_batched_and_f32_output_match_f32_reference).
+    err_jnp = relative_error(jnp.dot(a, b, preferred_element_type=jnp.float32), ref)
+    assert relative_error(f32_out, ref) <= max(ERROR_FACTOR * err_jnp, 1e-5)
+
+
+def test_small_m_kind_really_splits_k(hopper):
+    """At 16 x 8192 x 8192 (32 tiles of 64x256 on 132 SMs) every tile's K range is cut
+    into pieces: the f32 sums come out in a different order from the default kernel's,
+    which some outputs must show in their last bit."""
+    from jax_hopper._primitive import gemm
+
+    a, b = _inputs(16, 8192, 8192, jnp.float16, seed=12)
+    split = np.asarray(jax.jit(lambda x, y: gemm(x, y, kernel="small_m", out_dtype=jnp.float32))(a, b))
+    whole = np.asarray(jax.jit(lambda x, y: gemm(x, y, kernel="persistent", out_dtype=jnp.float32))(a, b))
+    assert not np.array_equal(split, whole), "the small-M kind gave the default kernel's bits: K was not split"

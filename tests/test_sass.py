@@ -77,6 +77,7 @@ KIND_EXTRAS = {
     5: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused (dense: bias, activation, residual)
     6: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_streamk (stream-K tail)
     7: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_f16acc (opt-in f16 accumulation)
+    8: [*TMA_STORE],  # small_m (decode: no cluster, one consumer warpgroup, producer warp)
 }
 F16_ACCUMULATION_KIND = 7
 F32_MMA, F16_MMA = "HGMMA.64x256x16.F32", "HGMMA.64x256x16.F16"

@@ -26,13 +26,21 @@ struct GemmConfig {
   // compute neighbouring M tiles of one N column: each loads 1/kClusterM of the shared
   // B tile and multicasts it to all, cutting B's L2->SM traffic by kClusterM.
   static constexpr bool kPersistent = kKind != KernelKind::kV5;
-  static constexpr int kClusterM = kPersistent ? 2 : 1;
+  // Decode-sized M (a few rows against a large B): the product is a stream over B, so
+  // every SM must pull its own share of B. One 64-row consumer warpgroup (no wgmma on
+  // rows that are not there), no cluster (a cluster's second CTA would hold rows past
+  // M), and the K range split over all SMs (kStreamK with every tile in the tail).
+  static constexpr bool kSmallM = kKind == KernelKind::kSmallM;
+  static constexpr int kClusterM = kPersistent && !kSmallM ? 2 : 1;
   // Epilogue: accumulators -> shared memory -> TMA store (asynchronous: the consumers
   // go on to the next tile while the copy engine writes this one), or straight from
   // registers to global memory (the seed's).
   static constexpr bool kFusedEpilogue = kKind == KernelKind::kPersistentFused;
   // The tail wave split along K over the clusters (tile_scheduler.cuh: WorkList).
-  static constexpr bool kStreamK = kKind == KernelKind::kPersistentStreamK;
+  static constexpr bool kStreamK = kKind == KernelKind::kPersistentStreamK || kSmallM;
+  // Pieces one tile's K range may be cut into (a finisher sums the others' partials).
+  // Decode shapes have few tiles (8192 columns: 32): 4 pieces would leave SMs idle.
+  static constexpr int kMaxSplitsPerTile = kSmallM ? 8 : 4;
   // Opt-in: accumulate in f16 (wgmma's f16 accumulator) with four consumer warpgroups
   // on a 256-row tile -- the tutorial's final version.
   static constexpr bool kF16Accumulate = kKind == KernelKind::kPersistentF16Acc;
@@ -41,9 +49,10 @@ struct GemmConfig {
                                             kF16Accumulate;
   // A whole producer warpgroup (only one thread issues TMA) so that setmaxnreg, which
   // works per warpgroup, can move registers from the producer to the consumers.
+  // (Not for the small-M kind: one consumer warpgroup has registers to spare.)
   static constexpr bool kProducerWarpgroup = kKind == KernelKind::kPersistent ||
-                                             kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK ||
-                                             kF16Accumulate;
+                                             kKind == KernelKind::kPersistentWait0 || kFusedEpilogue ||
+                                             kKind == KernelKind::kPersistentStreamK || kF16Accumulate;
   // wgmma groups left in flight after each K tile; the stage release lags by as many.
   static constexpr int kMmaInFlight = kKind == KernelKind::kPersistentWait0 ? 0 : 1;
   // Tile order: consecutive CTAs sweep this many neighbouring N tiles, then step in M.
@@ -51,7 +60,7 @@ struct GemmConfig {
   // about 1% over the seed's 4.
   static constexpr int kRasterSwizzle = 8;
 
-  static constexpr int kConsumerWarpgroups = kF16Accumulate ? 4 : 2;
+  static constexpr int kConsumerWarpgroups = kF16Accumulate ? 4 : (kSmallM ? 1 : 2);
   static constexpr int kBlockM = kConsumerWarpgroups * 64;  // 64 rows (one wgmma m64) per warpgroup
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 64;  // 64 16-bit elements = one 128-byte swizzle row

@@ -99,6 +99,8 @@ const char* kind_name(KernelKind kind) {
       return "persistent_streamk";
     case KernelKind::kPersistentF16Acc:
       return "persistent_f16acc";
+    case KernelKind::kSmallM:
+      return "small_m";
   }
   return "unknown";
 }

@@ -62,6 +62,9 @@ struct GemmArgs {
 //  kPersistentF16Acc  opt-in, f16 only: the tutorial's final version -- 256x256 tiles,
 //                      four consumer warpgroups, accumulation in f16 (faster, less
 //                      accurate: README "f16 accumulation")
+//  kSmallM            decode-sized M: 64x256 tiles (one consumer warpgroup), no
+//                      cluster, and K split over every SM (the stream-K walk with all
+//                      tiles in the tail), so all SMs stream B at once
 enum class KernelKind {
   kV5,
   kPersistent,
@@ -70,7 +73,8 @@ enum class KernelKind {
   kPersistentWait0,
   kPersistentFused,
   kPersistentStreamK,
-  kPersistentF16Acc
+  kPersistentF16Acc,
+  kSmallM
 };
 
 // Compile-time kernel parameters that are selectable at run time (each choice is an

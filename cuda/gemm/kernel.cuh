@@ -84,13 +84,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if constexpr (Cfg::kStreamK) {
         using Fixup = StreamKFixup<Cfg>;
         if (unit.role == UnitRole::kContributor) {
-          Fixup::publish(acc, stream_k, cluster, cta_rank, warpgroup);
+          Fixup::publish(acc, stream_k, cluster, cta_rank, warpgroup, out.m - row0);
           continue;
         }
         if (unit.role == UnitRole::kFinisher) {
           const int64_t tile_end = work.tail_tile_end(unit.tile);
           for (int64_t r = work.range_of(cluster) + 1; r < work.ranges() && work.tail_begin(r) < tile_end; ++r)
-            if (work.has_tail_work(r)) Fixup::accumulate(acc, stream_k, work.cluster_of(r), cta_rank, warpgroup);
+            if (work.has_tail_work(r))
+              Fixup::accumulate(acc, stream_k, work.cluster_of(r), cta_rank, warpgroup, out.m - row0);
         }
       }
       if constexpr (Cfg::kFusedEpilogue)

@@ -182,7 +182,7 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
     ctas = std::min<int64_t>(ctas, resident);
   }
   if (ctas > kMaxGridX) return Status::Invalid("too many output tiles for one launch");
-  WorkList work{scheduler.num_tiles(), ctas / Cfg::kClusterM, k_tiles, false};
+  WorkList work{scheduler.num_tiles(), ctas / Cfg::kClusterM, k_tiles, false, Cfg::kMaxSplitsPerTile};
   StreamKParams stream_k{nullptr, nullptr};
   if constexpr (Cfg::kStreamK) {
     st = prepare_stream_k<Cfg>(args, stream, &work, &stream_k);

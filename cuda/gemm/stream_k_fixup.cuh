@@ -2,6 +2,10 @@
 // accumulator to the finisher of the tile, through a global workspace and one flag per
 // (cluster, CTA rank, consumer warpgroup). Each thread stores and loads its own 128
 // accumulator registers as float4s laid out [vector][thread], so both sides coalesce.
+// A warp's accumulators are 16 rows of the warpgroup's 64 (wgmma's m64 layout); in the
+// small-M kind, warps whose rows all lie past M (M = 16 uses one warp of four) move
+// nothing. (Not in the 2-warpgroup stream-K kind: the check costs it a spill at its
+// 168-register cap, and its tail tiles are full ones.)
 #pragma once
 #include <cstdint>
 
@@ -32,14 +36,23 @@ struct StreamKFixup {
     return (cluster * Cfg::kClusterM + rank) * Cfg::kConsumerWarpgroups + warpgroup;
   }
 
+  // Whether this thread's warp holds any of the `rows` rows left inside M.
+  __device__ static bool warp_has_rows(int rows) {
+    if constexpr (!Cfg::kSmallM) return true;
+    constexpr int kRowsPerWarp = Cfg::kWarpgroupM / hopper::kWarpsPerWarpgroup;
+    return hopper::thread_in_warpgroup() / hopper::kWarpSize * kRowsPerWarp < rows;
+  }
+
   __device__ static void publish(const float (&acc)[Cfg::kAccumulators], const StreamKParams& p, int64_t cluster,
-                                 int rank, int warpgroup) {
+                                 int rank, int warpgroup, int rows) {
     const int64_t s = slot(cluster, rank, warpgroup);
     const int t = hopper::thread_in_warpgroup();
     float4* dst = p.workspace + s * kSlotVectors;
+    if (warp_has_rows(rows)) {
 #pragma unroll
-    for (int v = 0; v < kVectors; ++v)
-      dst[v * hopper::kWarpgroupSize + t] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
+      for (int v = 0; v < kVectors; ++v)
+        dst[v * hopper::kWarpgroupSize + t] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
+    }
     __threadfence();  // each thread's stores before the barrier, then one release for all
     hopper::named_barrier_sync(Cfg::kFirstEpilogueBarrier + warpgroup, hopper::kWarpgroupSize);
     if (t == 0) hopper::flag_release(&p.flags[s], kPublished);
@@ -47,11 +60,12 @@ struct StreamKFixup {
 
   // Adds the partial sum of `cluster`'s same rank and warpgroup, once published.
   __device__ static void accumulate(float (&acc)[Cfg::kAccumulators], const StreamKParams& p, int64_t cluster,
-                                    int rank, int warpgroup) {
+                                    int rank, int warpgroup, int rows) {
     const int64_t s = slot(cluster, rank, warpgroup);
     const int t = hopper::thread_in_warpgroup();
     if (t == 0) hopper::flag_wait(&p.flags[s], kPublished);
     hopper::named_barrier_sync(Cfg::kFirstEpilogueBarrier + warpgroup, hopper::kWarpgroupSize);
+    if (!warp_has_rows(rows)) return;
     const float4* src = p.workspace + s * kSlotVectors;
 #pragma unroll
     for (int v = 0; v < kVectors; ++v) {

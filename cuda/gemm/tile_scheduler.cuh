@@ -62,7 +62,7 @@ struct WorkUnit {
 // takes tiles q, q + C, ... of the full waves (C clusters). With kSplitTail, the tiles
 // of the last, partial wave are not handed out one per cluster (most clusters would
 // idle) but as their R * k_tiles K iterations, split evenly into `ranges` ranges (at
-// most C, and at most kMaxSplitsPerTile per tail tile, so a finisher never sums more
+// most C, and at most max_splits per tail tile, so a finisher never sums more
 // than a few partials); cluster q takes range C - 1 - q if there is one. A tail tile is then finished by the cluster
 // whose range holds its k = 0 (a finisher's segment is the last of its range); clusters
 // whose range starts inside it contribute (a contributor's segment is the first of its
@@ -71,18 +71,18 @@ struct WorkUnit {
 // the finisher, so a finisher never spins on a CTA still waiting for an SM.
 // Deterministic: the split depends only on the shape and C.
 struct WorkList {
-  static constexpr int64_t kMaxSplitsPerTile = 4;
   int64_t num_tiles;
   int64_t clusters;
   int k_tiles;
-  bool split_tail;  // the host found the workspace for the partial sums
+  bool split_tail;     // the host found the workspace for the partial sums
+  int64_t max_splits;  // pieces per tail tile at most (the kind's kMaxSplitsPerTile)
 
   __host__ __device__ int64_t whole_tiles() const {
     return split_tail ? num_tiles / clusters * clusters : num_tiles;
   }
   __host__ __device__ int64_t tail_iterations() const { return (num_tiles - whole_tiles()) * k_tiles; }
   __host__ __device__ int64_t ranges() const {
-    const int64_t cap = (num_tiles - whole_tiles()) * kMaxSplitsPerTile;
+    const int64_t cap = (num_tiles - whole_tiles()) * max_splits;
     return cap < clusters ? cap : clusters;
   }
   // First tail iteration of range r (it ends where range r + 1 begins; ranges past the

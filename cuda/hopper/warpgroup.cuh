@@ -7,6 +7,7 @@ namespace jax_hopper::hopper {
 
 constexpr int kWarpSize = 32;
 constexpr int kWarpgroupSize = 128;
+constexpr int kWarpsPerWarpgroup = kWarpgroupSize / kWarpSize;
 
 __device__ __forceinline__ int warpgroup_index() { return threadIdx.x / kWarpgroupSize; }
 __device__ __forceinline__ int thread_in_warpgroup() { return threadIdx.x % kWarpgroupSize; }
