@@ -34,10 +34,13 @@ def _as_operand_type(ct, dtype):
     return ct if ct.dtype == dtype else ct.astype(dtype)
 
 
+def _problem(a, b, transpose_a, transpose_b):
+    return _dispatch.problem_of(a.shape, b.shape, a.dtype, a.dtype, transpose_a, transpose_b)
+
+
 def _kernel_chosen(a, b, transpose_a, transpose_b) -> bool:
     """Whether the dispatcher sends this product (16-bit result) to our kernel."""
-    problem = _dispatch.problem_of(a.shape, b.shape, a.dtype, a.dtype, transpose_a, transpose_b)
-    return _dispatch.choose(problem)[0] == "kernel"
+    return _dispatch.choose(_problem(a, b, transpose_a, transpose_b))[0] == "kernel"
 
 
 def _sharding_of(x):
@@ -65,7 +68,8 @@ def _in_type_of(y, like):
 # sharding on the XLA path, as jax's own dot transpose does).
 def _product(a, b, *, transpose_a=False, transpose_b=False, like=None):
     if _kernel_chosen(a, b, transpose_a, transpose_b):
-        return _in_type_of(gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b), like)
+        kernel = _dispatch.kernel_for(_problem(a, b, transpose_a, transpose_b))
+        return _in_type_of(gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b, kernel=kernel), like)
     return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=a.dtype,
                           out_sharding=None if like is None else _sharding_of(like))
 

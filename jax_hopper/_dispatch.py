@@ -37,6 +37,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jax_hopper import _ffi
+from jax_hopper._primitive import DEFAULT_KERNEL, SMALL_M_KERNEL
 
 POLICIES = ("auto", "kernel", "xla")
 _ENV = "JAX_HOPPER_DISPATCH"
@@ -213,6 +214,24 @@ def _runnable(path: str, rule: str) -> tuple[str, str]:
             _ffi.warn_no_kernel_once(reason)
             return "xla", "kernel-unavailable"
     return path, rule
+
+
+# Which of our kernels computes a product sent to our kernel (by a rule or by policy
+# "kernel"). Decode-sized M: the small-M kind (64-row tiles, no cluster, K split over
+# every SM) against the default kernel, f16 NN (BENCHMARKS.md, "Decode: the small-M
+# kind"): 1.3-1.9x faster at M = 1-64 with N x K = 8192x8192, 14336x4096, 4096x14336
+# and 16x4096x4096, 0.97x at 64x4096x4096 (both far behind cuBLASLt there), a tie at
+# 128x8192x8192 and 0.62x at 128x14336x4096. Compiled for jnp.dot's layout, unbatched.
+# Neither beats cuBLASLt on decode shapes (0.70-0.78x at best), so "auto" keeps them on
+# XLA; this picks the kind once our kernel is asked for.
+SMALL_M_MAX_ROWS = 64
+
+
+def kernel_for(p: Problem) -> str:
+    """The kernel kind that runs `p` on our kernel (f32 accumulation)."""
+    if p.m <= SMALL_M_MAX_ROWS and p.batch <= 1 and not (p.transpose_a or p.transpose_b):
+        return SMALL_M_KERNEL
+    return DEFAULT_KERNEL
 
 
 def problem_of(a_shape, b_shape, dtype, out_dtype, transpose_a: bool, transpose_b: bool) -> Problem:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import jax_hopper
 from jax_hopper import _dispatch, _ffi
 from jax_hopper._fallback import ACTIVATION_FNS
-from jax_hopper._primitive import KERNELS, gemm
+from jax_hopper._primitive import DEFAULT_KERNEL, KERNELS, gemm
 
 L2_BYTES = 60 * 2**20  # H200
 MAX_INPUT_SETS = 64
@@ -195,11 +195,14 @@ def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progr
     ta, tb = LAYOUT_FLAGS[layout]
     dims = dimension_numbers(batch, layout)
     # The default call (the dispatcher picks our kernel or XLA's dot) and, when it
-    # picked XLA, our kernel forced, so every row shows what the kernel does.
+    # picked XLA, our kernel forced (the kind policy "kernel" runs: the small-M kind for
+    # decode shapes), so every row shows what the kernel does.
     path, rule = jax_hopper.dispatch_path(*sets[0], dims)
     variants = [JaxVariant("jax_hopper", functools.partial(jax_hopper.dot_general, dimension_numbers=dims))]
     if path != "kernel":
-        variants.append(JaxVariant("kernel", functools.partial(gemm, transpose_a=ta, transpose_b=tb)))
+        kind = _dispatch.kernel_for(_dispatch.problem_of(a_shape, b_shape, dtype, dtype, ta, tb))
+        name = "kernel" if kind == DEFAULT_KERNEL else f"kernel {kind}"
+        variants.append(JaxVariant(name, functools.partial(gemm, transpose_a=ta, transpose_b=tb, kernel=kind)))
     if layout == "nn" and not batch:  # the seed's V5 is compiled for jnp.dot's layout
         variants += [JaxVariant(f"V5 s={s}", functools.partial(gemm, kernel="v5", stages=s)) for s in stages_list]
         # The default's ablations are compiled for f16 only; the small-M kind for both.
@@ -279,7 +282,7 @@ def print_table(rows, file=sys.stdout):
 def _path_label(r) -> str:
     if r.get("path"):
         return f"{r['path']} ({r['rule']})"
-    return "kernel (forced)" if r["variant"] == "kernel" else ""
+    return "kernel (forced)" if r["variant"].split()[0] == "kernel" else ""
 
 
 def bench_tp_mlp(tokens, d_model, d_ff, dtype_name, n_devices, progress):

@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 # _autodiff and _batching are imported for their side effect: they register the rules.
 from jax_hopper import _autodiff, _batching, _dispatch  # noqa: F401
 from jax_hopper._dimension_numbers import plan_dot_general
-from jax_hopper._primitive import DEFAULT_KERNEL, F16_ACCUMULATION_KERNEL, KERNEL_DTYPES, gemm
+from jax_hopper._primitive import F16_ACCUMULATION_KERNEL, KERNEL_DTYPES, gemm
 from jax_hopper._sharding import is_explicit, padded_spec
 
 F32 = jnp.dtype(jnp.float32)
@@ -177,12 +177,16 @@ def _check_accumulation(name, accumulation, lhs, rhs, precision, preferred_eleme
                              f"{jnp.dtype(preferred_element_type).name} asks for wider ones")
 
 
-def _path(plan, lhs, out, accumulation) -> tuple[str, str, bool]:
-    """(path, rule, f16 accumulation?) from the dispatcher."""
+def _path(plan, lhs, out, accumulation) -> tuple[str, str, str]:
+    """(path, rule, the kernel kind that runs it on the kernel path) from the dispatcher."""
     problem = _problem(plan, lhs, out)
     if accumulation == "f16":
-        return _dispatch.choose_f16_accumulation(problem)
-    return (*_dispatch.choose(problem), False)
+        path, rule, f16 = _dispatch.choose_f16_accumulation(problem)
+        if f16:
+            return path, rule, F16_ACCUMULATION_KERNEL
+    else:
+        path, rule = _dispatch.choose(problem)
+    return path, rule, _dispatch.kernel_for(problem)
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None,
@@ -204,8 +208,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     a = lhs if plan.lhs_perm is None else jnp.transpose(lhs, plan.lhs_perm)
     b = rhs if plan.rhs_perm is None else jnp.transpose(rhs, plan.rhs_perm)
     c = gemm(a.reshape(plan.lhs_shape), b.reshape(plan.rhs_shape), transpose_a=plan.transpose_a,
-             transpose_b=plan.transpose_b, out_dtype=out.dtype,
-             kernel=F16_ACCUMULATION_KERNEL if path[2] else DEFAULT_KERNEL)
+             transpose_b=plan.transpose_b, out_dtype=out.dtype, kernel=path[2])
     return checkpoint_name(c.reshape(plan.out_shape), PRODUCT_NAME)
 
 

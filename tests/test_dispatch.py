@@ -175,3 +175,29 @@ def test_backward_products_are_dispatched_like_forward_ones():
         text = cuda_text(jax.grad(lambda x, y: jnp.sum(jax_hopper.matmul(x, y).astype(jnp.float32) ** 2),
                                  argnums=(0, 1)), u, v)
     assert len(re.findall(r"custom_call @jax_hopper_gemm\(", text)) == 3
+
+
+def _kernel_kinds(fn, *args):
+    return [int(k) for k in re.findall(r"kernel = (\d+) : i32", cuda_text(fn, *args))]
+
+
+def test_decode_sized_products_run_the_small_m_kind_once_our_kernel_is_asked_for():
+    from jax_hopper._primitive import KERNELS
+
+    small, default = KERNELS["small_m"], KERNELS["persistent"]
+    with jax_hopper.dispatch("kernel"):
+        for m, kind in [(1, small), (16, small), (64, small), (65, default), (256, default)]:
+            assert _kernel_kinds(lambda x, y: jax_hopper.matmul(x, y), *_structs(m, 8192, 8192)) == [kind], m
+        assert _kernel_kinds(lambda x, y: jax_hopper.matmul(x, y), *_structs(16, 8192, 8192, jnp.bfloat16)) == [small]
+        # Compiled for jnp.dot's layout only: x @ W^T and batched products keep the default kind.
+        a, w_t = jax.ShapeDtypeStruct((16, 4096), jnp.float16), jax.ShapeDtypeStruct((8192, 4096), jnp.float16)
+        assert _kernel_kinds(lambda x, y: x @ y.T, a, w_t) == []  # (jnp's own product: not ours)
+        assert _kernel_kinds(lambda x, y: jax_hopper.dot_general(x, y, (((1,), (1,)), ((), ()))), a, w_t) == [default]
+        xb, wb = jax.ShapeDtypeStruct((4, 16, 512), jnp.float16), jax.ShapeDtypeStruct((4, 512, 1024), jnp.float16)
+        assert _kernel_kinds(lambda x, y: jax_hopper.matmul(x, y), xb, wb) == [default]
+        # Its derivative: dx = dc w^T (NT) and dw = x^T dc (M = 8192): the default kind.
+        x, w = _structs(16, 8192, 8192)
+        grads = jax.grad(lambda x, w: jnp.sum(jax_hopper.matmul(x, w).astype(jnp.float32) ** 2), argnums=(0, 1))
+        assert sorted(_kernel_kinds(grads, x, w)) == sorted([small, default, default])
+    with jax_hopper.dispatch("auto"):  # cuBLASLt stays ahead on decode shapes: XLA's dot
+        assert jax_hopper.dispatch_path(*_structs(16, 8192, 8192), NN) == ("xla", "default")
