@@ -324,9 +324,12 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     out_shape = tuple(np.shape(x)[:-1]) + (n,)
     if residual is not None and tuple(np.shape(residual)) != out_shape:
         raise ValueError(f"jax_hopper.dense: residual must be {list(out_shape)}; got {described}")
-    dtype = jnp.result_type(*(v for v in operands.values() if v is not None))
+    dtype, weak = jax.dtypes.result_type(*(v for v in operands.values() if v is not None),
+                                         return_weak_type_flag=True)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"jax_hopper.dense: floating-point operands only; got {described}")
+    if weak:  # every operand weakly typed: jnp's result is weak too, which only jnp's computation keeps
+        return dense_like_jnp(x, w, bias, residual, activation=activation)
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
     bias = None if bias is None else jnp.asarray(bias, dtype)

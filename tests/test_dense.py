@@ -16,6 +16,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import cuda_text, relative_error, seed_normal
 
@@ -236,3 +237,22 @@ def test_gradient_where_only_the_activation_picked_the_kernel_is_jnps(monkeypatc
     g_theirs = jax.jit(jax.grad(theirs, argnums=(0, 1, 2, 3)))(x, w, b, r)
     for go, gt in zip(g_ours, g_theirs):
         assert go.dtype == gt.dtype and bool((go == gt).all())
+
+
+def test_all_weak_operands_give_jnps_weak_result():
+    """Weakly typed operands throughout (say, arrays built from Python scalars): jnp's
+    act(x @ w + b) is weakly typed, so it does not widen a later f16 operand; ours was
+    strong f32."""
+    from jax._src.lax.lax import _convert_element_type
+
+    def weak(shape, key):
+        return _convert_element_type(jax.random.normal(jax.random.key(key), shape), np.dtype("float32"),
+                                     weak_type=True)
+
+    x, w, b = weak((4, 8), 0), weak((8, 3), 1), weak((3,), 2)
+    ours = jax_hopper.dense(x, w, b, activation="relu")
+    ref = jax.nn.relu(x @ w + b)
+    assert jax.typeof(ours) == jax.typeof(ref) and jax.typeof(ref).weak_type
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+    h = jnp.ones((4, 3), jnp.float16)
+    assert (ours + h).dtype == jnp.float16
