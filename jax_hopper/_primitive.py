@@ -105,11 +105,20 @@ def _pad_for_tma(a, b, transpose_a, transpose_b):
     return a, b
 
 
+def _reference(a, b, *, transpose_a, transpose_b, out_dtype):
+    """XLA's dot standing in for the kernel. Under explicit mesh axes a contraction over a
+    sharded dimension needs the result's sharding spelled out (the derivative's
+    A^T dC contracts a sharded M): the primitive's own, jnp.dot's rule."""
+    sharding = output_sharding(jax.typeof(a), jax.typeof(b), transpose_a, transpose_b)
+    return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype,
+                          out_sharding=sharding)
+
+
 def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     reason = _ffi.kernel_unavailable_reason()
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
-        return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
+        return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
     m, n, _, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
     out_shape = a.shape[:-2] + (m, n)
     a, b = _pad_for_tma(a, b, transpose_a, transpose_b)
@@ -120,7 +129,7 @@ def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
 
 def _default_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     del kernel, stages
-    return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
+    return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
 
 
 @functools.cache

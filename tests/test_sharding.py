@@ -325,3 +325,26 @@ def test_explicit_sequence_sharded_activations_keep_their_sharding():
         x_lead = jax.device_put(x, NamedSharding(mm, P("x")))
         assert jax_hopper.dispatch_path(x_lead, w, (((2,), (0,)), ((), ())))[0] == "kernel"
         assert jax.typeof(jax.jit(jax_hopper.matmul)(x_lead, w)) == jax.typeof(jax.jit(jnp.matmul)(x_lead, w))
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+def test_explicit_mesh_gradients_with_a_sharded_contraction_in_the_backward(policy):
+    """x [M@x, K] @ w [K, N@y]: dW = x^T dC contracts the sharded M. Under policy
+    "kernel" where XLA's dot stands in for the kernel (CPU devices, a GPU that is not a
+    Hopper) that dot raised jax's 'Contracting dimensions are sharded' (it lacked the
+    result's sharding); on Hopper GPUs our kernel runs it."""
+    mm = mesh(AxisType.Explicit)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        a = jax.device_put(_random(jax.random.key(20), (M, K)), NamedSharding(mm, P("x", None)))
+        b = jax.device_put(_random(jax.random.key(21), (K, N)), NamedSharding(mm, P(None, "y")))
+
+        def grads(mm_fn):
+            loss = lambda x, w: jnp.sum(mm_fn(x, w).astype(jnp.float32) ** 2)  # noqa: E731
+            return jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)
+
+        with jax_hopper.dispatch(policy):
+            ours = grads(jax_hopper.matmul)
+        ref = grads(jnp.matmul)
+    for go, gr in zip(ours, ref):
+        assert jax.typeof(go) == jax.typeof(gr), (jax.typeof(go), jax.typeof(gr))
+        assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
