@@ -139,6 +139,19 @@ def _folding_drops_explicit_sharding(lhs, rhs, dimension_numbers) -> bool:
     return False
 
 
+def _residual_changes_result_type(x, w, residual) -> bool:
+    """Under explicit mesh axes, whether a residual is sharded unlike x @ w (leading dims
+    as x, N as w): jnp's `... + residual` then combines the two shardings, while the fused
+    kernel's result type is x @ w's."""
+    spec = None if residual is None else _explicit_spec(residual)
+    if spec is None:
+        return False
+    x_spec, w_spec = _explicit_spec(x), _explicit_spec(w)
+    if x_spec is None or w_spec is None:
+        return True
+    return tuple(x_spec[:-1]) + (w_spec[-1],) != tuple(spec)
+
+
 def _problem(plan, lhs, out):
     return _dispatch.problem_of(plan.lhs_shape, plan.rhs_shape, lhs.dtype, out.dtype, plan.transpose_a,
                                 plan.transpose_b)
@@ -333,9 +346,11 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
     bias = None if bias is None else jnp.asarray(bias, dtype)
-    if _folding_drops_explicit_sharding(x, w, (((x.ndim - 1,), (0,)), ((), ()))):
+    if (_folding_drops_explicit_sharding(x, w, (((x.ndim - 1,), (0,)), ((), ()))) or
+            _residual_changes_result_type(x, w, residual)):
         # Leading dims fold into M: a sharded inner one (a sequence dim) cannot keep its
-        # explicit sharding through that reshape, so jnp's own computation runs.
+        # explicit sharding through that reshape; a residual sharded unlike x @ w makes
+        # jnp's sum combine the two. jnp's own computation runs.
         r = None if residual is None else jnp.asarray(residual, dtype)
         return dense_like_jnp(x, w, bias, r, activation=activation)
     m, k = math.prod(x.shape[:-1]), x.shape[-1]

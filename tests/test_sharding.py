@@ -348,3 +348,18 @@ def test_explicit_mesh_gradients_with_a_sharded_contraction_in_the_backward(poli
     for go, gr in zip(ours, ref):
         assert jax.typeof(go) == jax.typeof(gr), (jax.typeof(go), jax.typeof(gr))
         assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
+
+
+def test_explicit_dense_residual_sharded_unlike_the_product_gets_jnps_type():
+    """act(x @ w) + r with r sharded unlike x @ w: jnp's sum combines the shardings; the
+    fused kernel's result type is x @ w's, so that layer runs jnp's computation."""
+    mm = mesh(AxisType.Explicit)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        x = jax.device_put(_random(jax.random.key(50), (B, M, K)), NamedSharding(mm, P("x")))
+        w = jax.device_put(_random(jax.random.key(51), (K, N)), NamedSharding(mm, P()))
+        for r_spec in (P(None, None, "y"), P("x", None, "y"), P("x")):
+            r = jax.device_put(_random(jax.random.key(52), (B, M, N)), NamedSharding(mm, r_spec))
+            ours = jax.jit(lambda x, w, r: jax_hopper.dense(x, w, activation="relu", residual=r))(x, w, r)
+            ref = jax.jit(lambda x, w, r: jax.nn.relu(x @ w) + r)(x, w, r)
+            assert jax.typeof(ours) == jax.typeof(ref), (r_spec, jax.typeof(ours), jax.typeof(ref))
+            assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
