@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import batching
 
+from jax_hopper import _dispatch
 from jax_hopper._fallback import dense_reference
 from jax_hopper._fused import dense_p
-from jax_hopper._primitive import gemm_p
+from jax_hopper._primitive import DEFAULT_STAGES, KERNEL_STAGES, SMALL_M_KERNEL, gemm_p
 
 NOT_MAPPED = None
 
@@ -25,6 +26,18 @@ def _to_front(x, dim, size):
     return jnp.moveaxis(x, dim, 0)
 
 
+def _bind(a, b, params):
+    """Binds the batched product. The small-M kind was picked for the unbatched shape
+    (_dispatch.kernel_for): vmap can grow M past it or add a batch dim, so it is picked
+    again for the shape bound here."""
+    if params["kernel"] == SMALL_M_KERNEL:
+        problem = _dispatch.problem_of(a.shape, b.shape, a.dtype, params["out_dtype"], params["transpose_a"],
+                                       params["transpose_b"])
+        kernel = _dispatch.kernel_for(problem)
+        params = dict(params, kernel=kernel, stages=KERNEL_STAGES.get(kernel, DEFAULT_STAGES))
+    return gemm_p.bind(a, b, **params)
+
+
 def _batch_rule(args, dims, **params):
     a, b = args
     da, db = dims
@@ -32,20 +45,20 @@ def _batch_rule(args, dims, **params):
     if db is NOT_MAPPED and a.ndim == 3 and not ta:  # [v, M, K] against [K, N]: fold v into M
         a = jnp.moveaxis(a, da, 0)
         v, m, k = a.shape
-        out = gemm_p.bind(a.reshape(v * m, k), b, **params)
+        out = _bind(a.reshape(v * m, k), b, params)
         return out.reshape(v, m, out.shape[-1]), 0
     if da is NOT_MAPPED and b.ndim == 3 and tb:  # [M, K] against [v, N, K]: fold v into N
         b = jnp.moveaxis(b, db, 0)
         v, n, k = b.shape
-        out = gemm_p.bind(a, b.reshape(v * n, k), **params)
+        out = _bind(a, b.reshape(v * n, k), params)
         return out.reshape(out.shape[0], v, n), 1
     size = a.shape[da] if da is not NOT_MAPPED else b.shape[db]
     a, b = _to_front(a, da, size), _to_front(b, db, size)
     if a.ndim == 3:
-        return gemm_p.bind(a, b, **params), 0
+        return _bind(a, b, params), 0
     # The primitive was batched already: merge the vmapped axis with its batch axis.
     v, nb = a.shape[:2]
-    out = gemm_p.bind(a.reshape((v * nb,) + a.shape[2:]), b.reshape((v * nb,) + b.shape[2:]), **params)
+    out = _bind(a.reshape((v * nb,) + a.shape[2:]), b.reshape((v * nb,) + b.shape[2:]), params)
     return out.reshape((v, nb) + out.shape[1:]), 0
 
 

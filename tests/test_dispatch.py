@@ -201,3 +201,22 @@ def test_decode_sized_products_run_the_small_m_kind_once_our_kernel_is_asked_for
         assert sorted(_kernel_kinds(grads, x, w)) == sorted([small, default, default])
     with jax_hopper.dispatch("auto"):  # cuBLASLt stays ahead on decode shapes: XLA's dot
         assert jax_hopper.dispatch_path(*_structs(16, 8192, 8192), NN) == ("xla", "default")
+
+
+def test_vmap_of_a_decode_product_picks_the_kind_again_for_the_batched_shape():
+    """kernel_for picked the small-M kind for 16 rows; vmapped over 8 activations the
+    product has 128 rows (folded into M), or a batch dim with per-example weights: the
+    default kind, which the small-M kind is not measured ahead of there."""
+    from jax_hopper._primitive import KERNELS
+
+    x, w = _structs(16, 8192, 8192)
+    xs = jax.ShapeDtypeStruct((8, 16, 8192), jnp.float16)
+    ws = jax.ShapeDtypeStruct((8, 8192, 8192), jnp.float16)
+    with jax_hopper.dispatch("kernel"):
+        assert _kernel_kinds(lambda x, w: jax_hopper.matmul(x, w), x, w) == [KERNELS["small_m"]]
+        shared_w = jax.vmap(lambda x, w: jax_hopper.matmul(x, w), in_axes=(0, None))
+        assert _kernel_kinds(shared_w, xs, w) == [KERNELS["persistent"]]
+        assert _kernel_kinds(jax.vmap(lambda x, w: jax_hopper.matmul(x, w)), xs, ws) == [KERNELS["persistent"]]
+        # vmap over 2 rows of 16: still decode-sized (32 rows), still the small-M kind.
+        x2 = jax.ShapeDtypeStruct((2, 16, 8192), jnp.float16)
+        assert _kernel_kinds(shared_w, x2, w) == [KERNELS["small_m"]]
