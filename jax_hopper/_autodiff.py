@@ -67,8 +67,9 @@ def _in_type_of(y, like):
 # operand whose gradient this is (the result has its stored shape and takes its
 # sharding on the XLA path, as jax's own dot transpose does).
 def _product(a, b, *, transpose_a=False, transpose_b=False, like=None):
-    if _kernel_chosen(a, b, transpose_a, transpose_b):
-        kernel = _dispatch.kernel_for(_problem(a, b, transpose_a, transpose_b))
+    problem = _problem(a, b, transpose_a, transpose_b)
+    if _dispatch.choose(problem)[0] == "kernel":
+        kernel = _dispatch.kernel_for(problem)
         return _in_type_of(gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b, kernel=kernel), like)
     return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=a.dtype,
                           out_sharding=None if like is None else _sharding_of(like))

@@ -15,7 +15,7 @@ from jax.interpreters import batching
 from jax_hopper import _dispatch
 from jax_hopper._fallback import dense_reference
 from jax_hopper._fused import dense_p
-from jax_hopper._primitive import DEFAULT_STAGES, KERNEL_STAGES, SMALL_M_KERNEL, gemm_p
+from jax_hopper._primitive import SMALL_M_KERNEL, gemm_p, stages_of
 
 NOT_MAPPED = None
 
@@ -34,7 +34,7 @@ def _bind(a, b, params):
         problem = _dispatch.problem_of(a.shape, b.shape, a.dtype, params["out_dtype"], params["transpose_a"],
                                        params["transpose_b"])
         kernel = _dispatch.kernel_for(problem)
-        params = dict(params, kernel=kernel, stages=KERNEL_STAGES.get(kernel, DEFAULT_STAGES))
+        params = dict(params, kernel=kernel, stages=stages_of(kernel))
     return gemm_p.bind(a, b, **params)
 
 

@@ -43,6 +43,11 @@ DEFAULT_STAGES = 4
 # Kinds compiled with another ring depth (instances.def): 64 KB stages leave room for 3,
 # the small-M kind's 40 KB ones for 5.
 KERNEL_STAGES = {F16_ACCUMULATION_KERNEL: 3, SMALL_M_KERNEL: 5}
+
+
+def stages_of(kernel: str) -> int:
+    """The ring depth a kernel kind is compiled with by default."""
+    return KERNEL_STAGES.get(kernel, DEFAULT_STAGES)
 # TMA needs 16-byte global row strides: a stored row of 16-bit elements must hold a
 # multiple of 8 of them. Shorter rows are padded on the way into the custom call.
 TMA_ROW_MULTIPLE = 8
@@ -204,7 +209,7 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, out_dtyp
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     if stages is None:
-        stages = KERNEL_STAGES.get(kernel, DEFAULT_STAGES)
+        stages = stages_of(kernel)
     out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
     a, b = _match_varying_axes(a, b)
     return gemm_p.bind(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b), out_dtype=out_dtype,

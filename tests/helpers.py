@@ -14,6 +14,17 @@ def hopper_devices():
     return [d for d in devices if str(getattr(d, "compute_capability", "")).startswith("9")]
 
 
+def weak(x, dtype):
+    """x as a weakly typed array of `dtype` (what jax's internals make of Python scalars;
+    there is no public constructor for a weak non-scalar array of a chosen type)."""
+    import pytest
+
+    convert = getattr(getattr(jax._src.lax, "lax", None), "_convert_element_type", None)
+    if convert is None:
+        pytest.skip("this jax has no internal weak-type conversion to build a weak array")
+    return convert(x, jnp.dtype(dtype), weak_type=True)
+
+
 def seed_normal(key, shape, dtype, k):
     """Standard normal scaled by K^-1/4 (the seed's data): C has unit variance."""
     return (jax.random.normal(key, shape, jnp.float32) / k**0.25).astype(dtype)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cuda_text, relative_error, seed_normal
+from helpers import cuda_text, relative_error, seed_normal, weak
 
 import jax_hopper
 
@@ -243,13 +243,8 @@ def test_all_weak_operands_give_jnps_weak_result():
     """Weakly typed operands throughout (say, arrays built from Python scalars): jnp's
     act(x @ w + b) is weakly typed, so it does not widen a later f16 operand; ours was
     strong f32."""
-    from jax._src.lax.lax import _convert_element_type
-
-    def weak(shape, key):
-        return _convert_element_type(jax.random.normal(jax.random.key(key), shape), np.dtype("float32"),
-                                     weak_type=True)
-
-    x, w, b = weak((4, 8), 0), weak((8, 3), 1), weak((3,), 2)
+    x, w, b = (weak(jax.random.normal(jax.random.key(i), shape), jnp.float32)
+               for i, shape in enumerate([(4, 8), (8, 3), (3,)]))
     ours = jax_hopper.dense(x, w, b, activation="relu")
     ref = jax.nn.relu(x @ w + b)
     assert jax.typeof(ours) == jax.typeof(ref) and jax.typeof(ref).weak_type

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_product, cuda_text, hopper_devices
+from helpers import assert_same_product, cuda_text, hopper_devices, weak
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -145,10 +145,7 @@ def test_weakly_typed_results_stay_weak_like_jax():
         assert (ours.dtype, ours.weak_type) == (ref.dtype, ref.weak_type)
     # Two weak 16-bit operands of dot_general (only jax internals make them): jax's weak
     # result, not the primitive's strong one.
-    convert = getattr(getattr(jax._src.lax, "lax", None), "_convert_element_type", None)
-    if convert is None:
-        pytest.skip("this jax has no internal weak-type conversion to build a weak bf16 array")
-    h = convert(w, jnp.dtype(jnp.bfloat16), weak_type=True)
+    h = weak(w, jnp.bfloat16)
     assert h.weak_type
     dn = (((1,), (0,)), ((), ()))
     with jax_hopper.dispatch("kernel"):
