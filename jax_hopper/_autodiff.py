@@ -14,13 +14,17 @@ With op(X) = X^T when its flag is set:
   dB = op(A)^T dC                       -> gemm(A, dC, ta=not ta, tb=False)  (B stored [K,N])
   dB = (op(A)^T dC)^T = dC^T op(A)      -> gemm(dC, A, ta=True, tb=ta)       (B stored [N,K])
 An f32 cotangent (out_dtype=f32) is rounded to the operands' type first: the kernel
-multiplies 16-bit inputs.
+multiplies 16-bit inputs. With A [..., M, K] (leading dims, a rank-2 B) dA is the same
+product with leading dims; dB contracts them with M: on XLA's path one dot_general over
+all of them (partitioned like jnp's: a sharded sequence dim gives partial sums and an
+all-reduce), on our kernel the folded [L*M, K]^T [L*M, N] product.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.interpreters import ad
 
 from jax_hopper import _dispatch
@@ -43,11 +47,15 @@ def _kernel_chosen(a, b, transpose_a, transpose_b) -> bool:
     return _dispatch.choose(_problem(a, b, transpose_a, transpose_b))[0] == "kernel"
 
 
+def _aval(x):
+    """x's type. An operand being differentiated is a placeholder with an aval
+    (UndefinedPrimal; ValAccum in newer jax), not an array."""
+    return x.aval if hasattr(x, "aval") else jax.typeof(x)
+
+
 def _sharding_of(x):
-    """The sharding in x's type. An operand being differentiated is a placeholder with an
-    aval (UndefinedPrimal; ValAccum in newer jax), not an array."""
-    aval = x.aval if hasattr(x, "aval") else jax.typeof(x)
-    return getattr(aval, "sharding", None)
+    """The sharding in x's type."""
+    return getattr(_aval(x), "sharding", None)
 
 
 def _in_type_of(y, like):
@@ -83,9 +91,20 @@ def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, sta
     return _product(ct, b, transpose_a=False, transpose_b=not transpose_b, like=a)
 
 
+def _contracting_leading_dims(x, y, *, like):
+    """x^T y over all leading dims and the rows of x [..., R, P] and y [..., R, Q]: [P, Q]."""
+    rows = tuple(range(x.ndim - 1))
+    x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    if _kernel_chosen(x2, y2, True, False):
+        return _product(x2, y2, transpose_a=True, like=like)
+    return lax.dot_general(x, y, ((rows, rows), ((), ())), out_sharding=_sharding_of(like))
+
+
 def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     del out_dtype, kernel, stages
     ct = _as_operand_type(ct, a.dtype)
+    if a.ndim > _aval(b).ndim:  # A [..., M, K] (not transposed): contract its leading dims and M
+        return _contracting_leading_dims(ct, a, like=b) if transpose_b else _contracting_leading_dims(a, ct, like=b)
     if transpose_b:
         return _product(ct, a, transpose_a=True, transpose_b=transpose_a, like=b)
     return _product(a, ct, transpose_a=not transpose_a, transpose_b=False, like=b)
@@ -140,9 +159,9 @@ def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
             dz = product(tangent) if dz is None else dz + product(tangent)
     if has_bias and not isinstance(dbias, ad.Zero):
         # Alone (x and w fixed: a bias-only fine-tune) the bias tangent still spans all rows.
-        dz = jnp.broadcast_to(dbias, (x.shape[0], w.shape[1])) if dz is None else dz + dbias
+        dz = jnp.broadcast_to(dbias, x.shape[:-1] + w.shape[1:]) if dz is None else dz + dbias
     if dz is None:
-        dz = jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
+        dz = jnp.zeros(x.shape[:-1] + w.shape[1:], x.dtype)
     optional_bias = bias if has_bias else None
     if activation is None:
         y = fused_dense(x, w, optional_bias, residual if has_residual else None)

@@ -1,9 +1,10 @@
 """vmap rule for the GEMM primitive: every vmapped product is one batched launch.
 
-Where the memory layout allows, a vmapped operand against an unbatched one is folded
-into M (A stored [M, K]) or N (B stored [N, K]): one plain GEMM, no copy. Otherwise the
-vmapped axis becomes the primitive's leading batch dimension (an unbatched operand is
-broadcast), merging with a batch dimension the primitive already had.
+Where the memory layout allows, a vmapped operand against an unbatched one joins A's
+leading dims (A stored [..., M, K] against a rank-2 B: folded into M on each device) or
+is folded into N (B stored [N, K]): one plain GEMM, no copy. Otherwise the vmapped axis
+becomes the primitive's leading batch dimension (an unbatched operand is broadcast),
+merging with a batch dimension the primitive already had.
 """
 
 from __future__ import annotations
@@ -42,18 +43,20 @@ def _batch_rule(args, dims, **params):
     a, b = args
     da, db = dims
     ta, tb = params["transpose_a"], params["transpose_b"]
-    if db is NOT_MAPPED and a.ndim == 3 and not ta:  # [v, M, K] against [K, N]: fold v into M
-        a = jnp.moveaxis(a, da, 0)
-        v, m, k = a.shape
-        out = _bind(a.reshape(v * m, k), b, params)
-        return out.reshape(v, m, out.shape[-1]), 0
-    if da is NOT_MAPPED and b.ndim == 3 and tb:  # [M, K] against [v, N, K]: fold v into N
+    if db is NOT_MAPPED and b.ndim == 2 and not ta:  # [v, ..., M, K] against [K, N]: a leading dim
+        return _bind(jnp.moveaxis(a, da, 0), b, params), 0
+    if da is NOT_MAPPED and b.ndim == 3 and tb:  # [..., M, K] against [v, N, K]: fold v into N
         b = jnp.moveaxis(b, db, 0)
         v, n, k = b.shape
         out = _bind(a, b.reshape(v * n, k), params)
-        return out.reshape(out.shape[0], v, n), 1
+        return out.reshape(out.shape[:-1] + (v, n)), out.ndim - 1
     size = a.shape[da] if da is not NOT_MAPPED else b.shape[db]
+    b_rank = b.ndim - (db is not NOT_MAPPED)  # the primitive's own ranks
+    a_rank = a.ndim - (da is not NOT_MAPPED)
     a, b = _to_front(a, da, size), _to_front(b, db, size)
+    if a_rank > b_rank:  # A's leading dims against a batched B: fold them into M first
+        out = _bind(a.reshape((size, -1, a.shape[-1])), b, params)
+        return out.reshape(a.shape[:-1] + out.shape[-1:]), 0
     if a.ndim == 3:
         return _bind(a, b, params), 0
     # The primitive was batched already: merge the vmapped axis with its batch axis.
@@ -67,7 +70,7 @@ batching.primitive_batchers[gemm_p] = _batch_rule
 
 def _dense_batch_rule(args, dims, *, activation, has_bias, has_residual):
     """vmap over the fused dense primitive: a vmapped x (and residual) against shared
-    weights and bias folds into M -- one fused launch. Anything else (per-example
+    weights and bias becomes a leading dim of x -- one fused launch. Anything else (per-example
     weights) is computed as the reference arithmetic, vmapped by jax."""
     x, w, bias, residual = args
     dx, dw, dbias, dres = dims
@@ -75,11 +78,9 @@ def _dense_batch_rule(args, dims, *, activation, has_bias, has_residual):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
     if dw is NOT_MAPPED and dbias is NOT_MAPPED:
         x = _to_front(x, dx, size)
-        v, m, k = x.shape
         if has_residual:
-            residual = _to_front(residual, dres, size).reshape(v * m, -1)
-        out = dense_p.bind(x.reshape(v * m, k), w, bias, residual, **params)
-        return out.reshape(v, m, out.shape[-1]), 0
+            residual = _to_front(residual, dres, size)
+        return dense_p.bind(x, w, bias, residual, **params), 0
     def reference(x, w, b, r):
         return dense_reference(x, w, b if has_bias else None, r if has_residual else None, activation=activation)
 

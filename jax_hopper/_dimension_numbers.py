@@ -4,7 +4,9 @@ The kernel reads A as [M, K] or [K, M] and B as [K, N] or [N, K] in place, so an
 dimension numbers whose batch dims lead (in order) and whose free and contracting dims
 each form one contiguous block reshape for free into one of those four layouts. Other
 dimension orders are first transposed into the [batch, free, contract] form (a copy
-XLA makes; rare in practice).
+XLA makes; rare in practice). An lhs [..., M, K] with no batch dims (jnp's N-D x @ W)
+keeps its free dims: the primitive folds them into M on each device, so a sharded
+inner one (a sequence dim) is not gathered first.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ import math
 @dataclasses.dataclass(frozen=True)
 class GemmPlan:
     lhs_perm: tuple[int, ...] | None  # transpose before the reshape, None if not needed
-    lhs_shape: tuple[int, ...]  # ([B,] M, K) or ([B,] K, M)
+    lhs_shape: tuple[int, ...]  # ([B,] M, K) or ([B,] K, M), or (free dims..., K)
     transpose_a: bool
     rhs_perm: tuple[int, ...] | None
     rhs_shape: tuple[int, ...]  # ([B,] K, N) or ([B,] N, K)
     transpose_b: bool
     out_shape: tuple[int, ...]  # dot_general's: batch + lhs free + rhs free
+
+    @property
+    def keeps_lhs_free_dims(self) -> bool:
+        return len(self.lhs_shape) > len(self.rhs_shape)
 
 
 def plan_dot_general(lhs_shape, rhs_shape, dimension_numbers) -> GemmPlan:
@@ -59,9 +65,12 @@ def plan_dot_general(lhs_shape, rhs_shape, dimension_numbers) -> GemmPlan:
     else:
         rhs_perm = rb + tuple(rhs_k) + tuple(rhs_free)
 
+    a_shape = lead + ((k, m) if transpose_a else (m, k))
+    if not nb and lhs_perm is None and not transpose_a and len(lhs_free) > 1:
+        a_shape = tuple(lhs_shape[d] for d in lhs_free) + (k,)
     return GemmPlan(
         lhs_perm=lhs_perm,
-        lhs_shape=lead + ((k, m) if transpose_a else (m, k)),
+        lhs_shape=a_shape,
         transpose_a=transpose_a,
         rhs_perm=rhs_perm,
         rhs_shape=lead + ((n, k) if transpose_b else (k, n)),

@@ -235,10 +235,12 @@ def kernel_for(p: Problem) -> str:
 
 
 def problem_of(a_shape, b_shape, dtype, out_dtype, transpose_a: bool, transpose_b: bool) -> Problem:
-    """The Problem of the primitive's operands ([B,] stored A, [B,] stored B)."""
-    batch = a_shape[0] if len(a_shape) == 3 else 0
+    """The Problem of the primitive's operands ([B,] stored A, [B,] stored B; or A
+    [..., M, K] against a 2-D B, its leading dims folded into M)."""
+    batch = a_shape[0] if len(a_shape) == 3 and len(b_shape) == 3 else 0
     a2, b2 = a_shape[-2:], b_shape[-2:]
-    m = a2[1] if transpose_a else a2[0]
+    folded = math.prod(a_shape[:-2]) if len(b_shape) == 2 else 1
+    m = (a2[1] if transpose_a else a2[0]) * folded
     k = a2[0] if transpose_a else a2[1]
     n = b2[0] if transpose_b else b2[1]
     return Problem(batch, int(m), int(n), int(k), np.dtype(dtype).itemsize, np.dtype(out_dtype).itemsize,

@@ -22,13 +22,13 @@ ACTIVATION_FNS = {
 
 
 def gemm_reference(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype, out_sharding=None):
-    """C = op(A) @ op(B) per batch entry (leading dim when rank 3), like jnp.dot;
-    out_sharding as lax.dot_general's (a derivative passes its operand's, as jax's own
-    transpose rule does: under explicit mesh axes a contraction over a sharded
-    dimension needs it)."""
-    nb = a.ndim - 2
-    a_contract = nb + (0 if transpose_a else 1)
-    b_contract = nb + (1 if transpose_b else 0)
+    """C = op(A) @ op(B) per batch entry (leading dim when both are rank 3), or for A
+    [..., M, K] against a rank-2 B, like jnp.dot; out_sharding as lax.dot_general's (a
+    derivative passes its operand's, as jax's own transpose rule does: under explicit
+    mesh axes a contraction over a sharded dimension needs it)."""
+    nb = a.ndim - 2 if b.ndim == a.ndim else 0
+    a_contract = a.ndim - 2 + (0 if transpose_a else 1)
+    b_contract = b.ndim - 2 + (1 if transpose_b else 0)
     batch = tuple(range(nb))
     preferred = None if out_dtype == a.dtype else out_dtype
     return lax.dot_general(a, b, (((a_contract,), (b_contract,)), (batch, batch)), preferred_element_type=preferred,
@@ -38,8 +38,8 @@ def gemm_reference(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype, out
 def dense_reference(x, w, bias, residual, *, activation):
     """act(x @ w + bias) + residual with the fused kernel's arithmetic: f32 products and
     sums, the activation and residual add in f32, one rounding to x's type at the end."""
-    return dense_epilogue(lax.dot(x, w, preferred_element_type=jnp.float32), bias, residual, activation=activation,
-                          dtype=x.dtype)
+    z = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dense_epilogue(z, bias, residual, activation=activation, dtype=x.dtype)
 
 
 def dense_like_jnp(x, w, bias, residual, *, activation):

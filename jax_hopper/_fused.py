@@ -3,8 +3,8 @@
 The bias add, the activation and the residual add run on the f32 accumulator in the
 kernel's epilogue (cuda/gemm/epilogue.cuh: FusedOps) before the single rounding to the
 16-bit output, so a dense layer's forward is one pass over memory instead of three.
-Rank 2 only (ops.dense folds leading dimensions into M), A [M, K] @ B [K, N], one
-16-bit type for everything. Its JVP (_autodiff.py) runs the products on the plain GEMM
+A [..., M, K] @ B [K, N] (A's leading dims fold into M on each device, so a sharded
+one keeps its sharding), one 16-bit type for everything. Its JVP (_autodiff.py) runs the products on the plain GEMM
 primitive; its batching rule is in _batching.py.
 """
 
@@ -46,18 +46,19 @@ def _optional(x, has):
 
 def _abstract_eval(x, w, bias, residual, *, activation, has_bias, has_residual):
     del activation
-    m, k = x.shape
+    k = x.shape[-1]
     k_w, n = w.shape
-    expected = [("w", w, w.shape)] + [("bias", bias, (n,))] * has_bias + [("residual", residual, (m, n))] * has_residual
-    if k != k_w or any(v.shape != shape for _, v, shape in expected):
+    out_shape = x.shape[:-1] + (n,)
+    expected = [("bias", bias, (n,))] * has_bias + [("residual", residual, out_shape)] * has_residual
+    if x.ndim < 2 or w.ndim != 2 or k != k_w or any(v.shape != shape for _, v, shape in expected):
         raise ValueError(f"jax_hopper_dense: inconsistent shapes x{list(x.shape)}, w{list(w.shape)}, "
                          f"bias{list(bias.shape)}, residual{list(residual.shape)}")
-    if any(v.dtype != x.dtype for _, v, _ in expected) or x.dtype not in KERNEL_DTYPES:
+    if any(v.dtype != x.dtype for _, v, _ in [("w", w, None)] + expected) or x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"jax_hopper_dense takes operands of one type, f16 or bf16; got x {x.dtype}, w {w.dtype}")
     # Under explicit mesh axes the result's type follows jnp.dot's rule (M as x, N as w).
     sharding = output_sharding(x, w, False, False)
     extra = {} if sharding is None else {"sharding": sharding}
-    return x.update(shape=(m, n), dtype=x.dtype, weak_type=False, **extra)
+    return x.update(shape=out_shape, dtype=x.dtype, weak_type=False, **extra)
 
 
 def _default_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
@@ -70,11 +71,17 @@ def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
         _ffi.warn_no_kernel_once(reason)
         return _default_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
                              has_residual=has_residual)
-    m, n = x.shape[0], w.shape[1]
+    n = w.shape[1]
+    out_shape = x.shape[:-1] + (n,)
+    x = x.reshape(-1, x.shape[-1])  # leading dims fold into M here, on this device's shard
+    m = x.shape[0]
+    if has_residual:
+        residual = residual.reshape(m, n)
     x, w = _pad_for_tma(x, w, False, False)
     call = jax.ffi.ffi_call(_ffi.GEMM_FUSED_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype))
-    return call(x, w, bias if has_bias else _absent(x.dtype), residual if has_residual else _absent(x.dtype),
-                transpose_a=np.int32(0), transpose_b=np.int32(0), activation=np.int32(ACTIVATIONS[activation]))
+    c = call(x, w, bias if has_bias else _absent(x.dtype), residual if has_residual else _absent(x.dtype),
+             transpose_a=np.int32(0), transpose_b=np.int32(0), activation=np.int32(ACTIVATIONS[activation]))
+    return c.reshape(out_shape)
 
 
 def _eager_impl(*args, **params):
@@ -90,8 +97,8 @@ require_devices_at_lowering(dense_p)
 
 
 def fused_dense(x, w, bias=None, residual=None, *, activation=None):
-    """Binds the primitive for rank-2 x [M, K], w [K, N], bias [N], residual [M, N] of one
-    16-bit type (validated by ops.dense)."""
+    """Binds the primitive for x [..., M, K], w [K, N], bias [N], residual [..., M, N] of
+    one 16-bit type (validated by ops.dense)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATIONS if a)} or None, "
                          f"got {activation!r}")

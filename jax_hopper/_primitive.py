@@ -2,7 +2,9 @@
 
 `gemm_p` computes C = op(A) @ op(B) for f16/bf16 operands of one dtype, with A stored
 [M, K] (or [K, M] with transpose_a) and B stored [K, N] (or [N, K] with transpose_b),
-optionally with one leading batch dimension on both (rank 3). C is [(batch,) M, N] in
+optionally with one leading batch dimension on both (rank 3), or with leading dims on
+A alone (A [..., M, K] against a rank-2 B: jnp's x @ W, folded into M on each device,
+so a sharded leading dim keeps its sharding). C is [(batch | ...,) M, N] in
 `out_dtype`: the operands' type, or f32 straight from the f32 accumulator. On CUDA it
 lowers to the `jax_hopper_gemm` FFI custom call; everywhere else to XLA's dot (see
 _fallback.py). Autodiff and vmap rules live in _autodiff.py and _batching.py.
@@ -63,9 +65,10 @@ def _mnk(a_shape, b_shape, transpose_a, transpose_b):
 
 def _abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     del kernel, stages
-    if a.ndim != b.ndim or a.ndim not in (2, 3) or a.shape[:-2] != b.shape[:-2]:
-        raise ValueError(f"jax_hopper_gemm takes two 2-D operands or two 3-D operands with equal batch, "
-                         f"got {a.shape} and {b.shape}")
+    batched = a.ndim == b.ndim == 3 and a.shape[0] == b.shape[0]
+    if not (batched or (b.ndim == 2 and (a.ndim == 2 or (a.ndim > 2 and not transpose_a)))):
+        raise ValueError(f"jax_hopper_gemm takes two 2-D operands, two 3-D operands with equal batch, or A "
+                         f"[..., M, K] against a 2-D B; got {a.shape} and {b.shape} (transpose_a={transpose_a})")
     if a.dtype != b.dtype or a.dtype not in KERNEL_DTYPES:
         raise TypeError(f"jax_hopper_gemm takes two f16 or two bf16 operands, got {a.dtype} and {b.dtype}")
     if out_dtype not in (a.dtype, jnp.dtype(jnp.float32)):
@@ -126,10 +129,14 @@ def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
         return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
     m, n, _, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
     out_shape = a.shape[:-2] + (m, n)
+    if a.ndim > b.ndim:  # leading dims of A fold into M here, on this device's shard
+        a = a.reshape(-1, a.shape[-1])
+    call_shape = a.shape[:-2] + (_mnk(a.shape, b.shape, transpose_a, transpose_b)[0], n)
     a, b = _pad_for_tma(a, b, transpose_a, transpose_b)
-    call = jax.ffi.ffi_call(_ffi.GEMM_TARGET, jax.ShapeDtypeStruct(out_shape, out_dtype))
-    return call(a, b, transpose_a=np.int32(transpose_a), transpose_b=np.int32(transpose_b),
-                kernel=np.int32(KERNELS[kernel]), stages=np.int32(stages))
+    call = jax.ffi.ffi_call(_ffi.GEMM_TARGET, jax.ShapeDtypeStruct(call_shape, out_dtype))
+    c = call(a, b, transpose_a=np.int32(transpose_a), transpose_b=np.int32(transpose_b),
+             kernel=np.int32(KERNELS[kernel]), stages=np.int32(stages))
+    return c.reshape(out_shape)
 
 
 def _default_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):

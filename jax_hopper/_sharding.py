@@ -5,6 +5,8 @@ gathered onto every device. Each platform's lowering of gemm_p is therefore wrap
 custom_partitioning with the rules jnp.dot follows (Shardy rule and GSPMD callbacks):
 
   batch / M / N sharded      -> each device multiplies its shards; no communication
+  (x [..., M, K] @ W: each leading dim of x keeps its own sharding -- a sharded
+  sequence dim included -- and is folded into M on each device)
   K (contracting) sharded    -> each device multiplies its K slice into f32 partial
                                 sums, psum over the K mesh axes, one rounding at the end
                                 (the single-device numerics; jnp.dot reduces 16-bit
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +32,27 @@ from jax.sharding import NamedSharding, PartitionSpec
 _F32 = jnp.dtype(jnp.float32)
 
 
-def _roles(ndim, transpose_a, transpose_b):
-    """Positions of (batch, m, k) in a and of (batch, k, n) in b; batch is None at rank 2."""
-    batch = 0 if ndim == 3 else None
-    r, c = ndim - 2, ndim - 1
-    a = (batch, c, r) if transpose_a else (batch, r, c)
-    b = (batch, c, r) if transpose_b else (batch, r, c)
-    return a, b
+def _roles(a_ndim, b_ndim, transpose_a, transpose_b):
+    """(a's leading dims that fold into M, positions of (batch, m, k) in a, of (batch, k,
+    n) in b). batch is None unless both operands are rank 3; leading dims exist where a
+    rank > 2 `a` meets a rank-2 `b` (x [..., M, K] @ W)."""
+    batched = a_ndim == 3 and b_ndim == 3
+    lead = tuple(range(a_ndim - 2)) if b_ndim == 2 else ()
+    batch = 0 if batched else None
+    ra, ca, rb, cb = a_ndim - 2, a_ndim - 1, b_ndim - 2, b_ndim - 1
+    a = (batch, ca, ra) if transpose_a else (batch, ra, ca)
+    b = (batch, cb, rb) if transpose_b else (batch, rb, cb)
+    return lead, a, b
+
+
+class Plan(NamedTuple):
+    """Mesh axes per role; `lead` has one entry per leading dim of a."""
+
+    batch: tuple
+    lead: tuple
+    m: tuple
+    n: tuple
+    k: tuple
 
 
 def _axes(spec, ndim):
@@ -49,11 +66,11 @@ def _spec_of(sharding, ndim):
     return _axes(PartitionSpec() if spec is None else spec, ndim)
 
 
-def _plan(a_sharding, b_sharding, a_shape, transpose_a, transpose_b):
-    """Mesh axes for (batch, m, n, k), each mesh axis used by at most one role."""
+def _plan(a_sharding, b_sharding, a_shape, b_ndim, transpose_a, transpose_b) -> Plan:
+    """Mesh axes for each role, each mesh axis used by at most one role."""
     ndim = len(a_shape)
-    (ab, am, ak), (bb, bk, bn) = _roles(ndim, transpose_a, transpose_b)
-    sa, sb = _spec_of(a_sharding, ndim), _spec_of(b_sharding, ndim)
+    lead_dims, (ab, am, ak), (bb, bk, bn) = _roles(ndim, b_ndim, transpose_a, transpose_b)
+    sa, sb = _spec_of(a_sharding, ndim), _spec_of(b_sharding, b_ndim)
     used: set[str] = set()
 
     def take(*candidates):
@@ -64,6 +81,7 @@ def _plan(a_sharding, b_sharding, a_shape, transpose_a, transpose_b):
         return ()
 
     batch = take(sa[ab], sb[bb]) if ab is not None else ()
+    lead = tuple(take(sa[d]) for d in lead_dims)
     m = take(sa[am])
     n = take(sb[bn])
     # K is split only where both operands have it split alike, as XLA's dot does; a K
@@ -72,7 +90,7 @@ def _plan(a_sharding, b_sharding, a_shape, transpose_a, transpose_b):
     # padding would be summed into the product (M, N and batch padding only adds rows
     # or columns that are cut away).
     k = take(sa[ak]) if sa[ak] == sb[bk] and _divides(a_sharding, sa[ak], a_shape[ak]) else ()
-    return batch, m, n, k
+    return Plan(batch, lead, m, n, k)
 
 
 def _divides(sharding, axes, size) -> bool:
@@ -86,15 +104,16 @@ def _pspec(dims):
     return PartitionSpec(*[None if not d else (d[0] if len(d) == 1 else d) for d in dims])
 
 
-def _shardings(mesh, ndim, transpose_a, transpose_b, plan):
-    batch, m, n, k = plan
-    (ab, am, ak), (bb, bk, bn) = _roles(ndim, transpose_a, transpose_b)
-    a_dims, b_dims = [()] * ndim, [()] * ndim
+def _shardings(mesh, a_ndim, b_ndim, transpose_a, transpose_b, plan: Plan):
+    lead_dims, (ab, am, ak), (bb, bk, bn) = _roles(a_ndim, b_ndim, transpose_a, transpose_b)
+    a_dims, b_dims = [()] * a_ndim, [()] * b_ndim
     if ab is not None:
-        a_dims[ab] = b_dims[bb] = batch
-    a_dims[am], a_dims[ak] = m, k
-    b_dims[bk], b_dims[bn] = k, n
-    out_dims = ([batch] if ndim == 3 else []) + [m, n]
+        a_dims[ab] = b_dims[bb] = plan.batch
+    for d, axes in zip(lead_dims, plan.lead):
+        a_dims[d] = axes
+    a_dims[am], a_dims[ak] = plan.m, plan.k
+    b_dims[bk], b_dims[bn] = plan.k, plan.n
+    out_dims = ([plan.batch] if ab is not None else []) + list(plan.lead) + [plan.m, plan.n]
     return tuple(NamedSharding(mesh, _pspec(d)) for d in (a_dims, b_dims, out_dims))
 
 
@@ -110,31 +129,34 @@ def padded_spec(sharding, ndim) -> tuple:
 
 
 def output_sharding(a, b, transpose_a, transpose_b):
-    """The result's sharding in the avals' type system (explicit mesh axes): batch and M
-    as `a` has them, N as `b` has it, jnp.dot's rule. None where avals carry none."""
+    """The result's sharding in the avals' type system (explicit mesh axes): batch,
+    leading dims and M as `a` has them, N as `b` has it, jnp.dot's rule. None where avals
+    carry none."""
     sa, sb = getattr(a, "sharding", None), getattr(b, "sharding", None)
     if not (is_explicit(sa) and hasattr(sb, "spec")):
         return None  # no sharding in the type system: the result's aval carries none either
-    ndim = a.ndim
-    (ab, am, _), (_, _, bn) = _roles(ndim, transpose_a, transpose_b)
-    spec_a, spec_b = padded_spec(sa, ndim), padded_spec(sb, ndim)
-    entries = ((spec_a[ab],) if ab is not None else ()) + (spec_a[am], spec_b[bn])
+    lead_dims, (ab, am, _), (_, _, bn) = _roles(a.ndim, b.ndim, transpose_a, transpose_b)
+    spec_a, spec_b = padded_spec(sa, a.ndim), padded_spec(sb, b.ndim)
+    entries = ((spec_a[ab],) if ab is not None else ()) + tuple(spec_a[d] for d in lead_dims) + (spec_a[am], spec_b[bn])
     return NamedSharding(sa.mesh, PartitionSpec(*entries))
+
+
+def _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b):
+    """(plan, (a, b, result shardings)) for the operands' shardings."""
+    a, b = arg_shapes[0], arg_shapes[1]
+    plan = _plan(a.sharding, b.sharding, a.shape, len(b.shape), transpose_a, transpose_b)
+    return plan, _shardings(mesh, len(a.shape), len(b.shape), transpose_a, transpose_b, plan)
 
 
 def _infer(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
     del out_dtype, kernel, stages, result_shape
-    ndim = len(arg_shapes[0].shape)
-    plan = _plan(arg_shapes[0].sharding, arg_shapes[1].sharding, arg_shapes[0].shape, transpose_a, transpose_b)
-    return _shardings(mesh, ndim, transpose_a, transpose_b, plan)[2]
+    return _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b)[1][2]
 
 
 def _partition(local_impl, transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
     del result_shape
-    ndim = len(arg_shapes[0].shape)
-    plan = _plan(arg_shapes[0].sharding, arg_shapes[1].sharding, arg_shapes[0].shape, transpose_a, transpose_b)
-    a_sharding, b_sharding, out_sharding = _shardings(mesh, ndim, transpose_a, transpose_b, plan)
-    k_axes = plan[3]
+    plan, (a_sharding, b_sharding, out_sharding) = _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b)
+    k_axes = plan.k
 
     def lower_fn(a, b):
         params = dict(transpose_a=transpose_a, transpose_b=transpose_b, kernel=kernel, stages=stages)
@@ -146,12 +168,20 @@ def _partition(local_impl, transpose_a, transpose_b, out_dtype, kernel, stages, 
     return mesh, lower_fn, out_sharding, (a_sharding, b_sharding)
 
 
+def _lead_factors(a_ndim, b_ndim):
+    """Shardy factor names of (a's and the result's leading dims, b's): the batch dim
+    shared by both, or a's leading dims folding into M."""
+    if a_ndim == 3 and b_ndim == 3:
+        return "b ", "b "
+    return "".join(f"l{i} " for i in range(a_ndim - 2)), ""
+
+
 def _sharding_rule(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, value_types, result_types):
     del out_dtype, kernel, stages, mesh, result_types
-    lead = "b " if len(value_types[0].shape) == 3 else ""
+    lead, b_lead = _lead_factors(len(value_types[0].shape), len(value_types[1].shape))
     a = "k m" if transpose_a else "m k"
     b = "n k" if transpose_b else "k n"
-    return f"{lead}{a}, {lead}{b} -> {lead}m n", {"reduction_factors": ("k",)}
+    return f"{lead}{a}, {b_lead}{b} -> {lead}m n", {"reduction_factors": ("k",)}
 
 
 def _spans_devices(ctx) -> bool:
@@ -205,7 +235,7 @@ def partitioned(local_impl):
     return impl
 
 
-# ---- the fused dense primitive (x [M, K], w [K, N], bias [N], residual [M, N]) -------
+# ---- the fused dense primitive (x [..., M, K], w [K, N], bias [N], residual [..., M, N])
 # M and N shard as for a plain product, bias with N, residual with the output. A sharded
 # K cannot go through the fused epilogue (it needs the whole sum): each device computes
 # its f32 partial product with our plain GEMM, the partials are psum'd, and the epilogue
@@ -213,12 +243,11 @@ def partitioned(local_impl):
 
 
 def _dense_shardings(mesh, arg_shapes, has_bias, has_residual):
-    plan = _plan(arg_shapes[0].sharding, arg_shapes[1].sharding, arg_shapes[0].shape, False, False)
-    x_s, w_s, out_s = _shardings(mesh, 2, False, False, plan)
+    plan, (x_s, w_s, out_s) = _operand_shardings(mesh, arg_shapes, False, False)
     replicated = NamedSharding(mesh, PartitionSpec())
-    bias_s = NamedSharding(mesh, _pspec([plan[2]])) if has_bias else replicated
+    bias_s = NamedSharding(mesh, _pspec([plan.n])) if has_bias else replicated
     residual_s = out_s if has_residual else replicated
-    return plan[3], (x_s, w_s, bias_s, residual_s), out_s
+    return plan.k, (x_s, w_s, bias_s, residual_s), out_s
 
 
 def _dense_infer(activation, has_bias, has_residual, mesh, arg_shapes, result_shape):
@@ -246,10 +275,11 @@ def _dense_partition(local_impl, activation, has_bias, has_residual, mesh, arg_s
 
 
 def _dense_sharding_rule(activation, has_bias, has_residual, mesh, value_types, result_types):
-    del activation, mesh, value_types, result_types
+    del activation, mesh, result_types
+    lead, _ = _lead_factors(len(value_types[0].shape), 2)
     bias = "n" if has_bias else "p"
-    residual = "m n" if has_residual else "q"
-    return f"m k, k n, {bias}, {residual} -> m n", {"reduction_factors": ("k",)}
+    residual = f"{lead}m n" if has_residual else "q"
+    return f"{lead}m k, k n, {bias}, {residual} -> {lead}m n", {"reduction_factors": ("k",)}
 
 
 def dense_lowering(local_impl):

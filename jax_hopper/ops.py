@@ -108,9 +108,10 @@ def _planned(name, lhs, rhs, dimension_numbers, precision, preferred_element_typ
     # A weak-typed result (both operands weak) stays jax's: the primitive's is strong.
     if out.weak_type or not _kernel_eligible(lhs, rhs, out.dtype, precision, abstract_ok):
         return fn, out, None
-    if _folding_drops_explicit_sharding(lhs, rhs, dimension_numbers):
+    plan = plan_dot_general(np.shape(lhs), np.shape(rhs), dimension_numbers)
+    if _folding_drops_explicit_sharding(lhs, rhs, dimension_numbers, plan.keeps_lhs_free_dims):
         return fn, out, None
-    return fn, out, plan_dot_general(np.shape(lhs), np.shape(rhs), dimension_numbers)
+    return fn, out, plan
 
 
 def _explicit_spec(x):
@@ -122,17 +123,19 @@ def _explicit_spec(x):
     return padded_spec(sharding, np.ndim(x)) if is_explicit(sharding) else None
 
 
-def _folding_drops_explicit_sharding(lhs, rhs, dimension_numbers) -> bool:
+def _folding_drops_explicit_sharding(lhs, rhs, dimension_numbers, keeps_lhs_free_dims=False) -> bool:
     """The kernel sees each operand as [B,] rows x columns: its batch, free and
-    contracting dims each fold into one. A dim sharded on explicit mesh axes that is not
-    the outermost of its folded group (a sharded sequence dim of x [B, S, K]) cannot keep
-    its sharding through that reshape (jax refuses it), so jax computes such a product."""
+    contracting dims each fold into one (except the free dims of an lhs [..., M, K]
+    against a rank-2 rhs, which the primitive keeps). A dim sharded on explicit mesh
+    axes that is not the outermost of its folded group cannot keep its sharding through
+    that reshape (jax refuses it), so jax computes such a product."""
     (lc, rc), (lb, rb) = dimension_numbers
-    for x, contract, batch in ((lhs, tuple(lc), tuple(lb)), (rhs, tuple(rc), tuple(rb))):
+    for x, contract, batch, keeps_free in ((lhs, tuple(lc), tuple(lb), keeps_lhs_free_dims),
+                                           (rhs, tuple(rc), tuple(rb), False)):
         spec = _explicit_spec(x)
         if spec is None:
             continue
-        free = tuple(d for d in range(np.ndim(x)) if d not in contract and d not in batch)
+        free = () if keeps_free else tuple(d for d in range(np.ndim(x)) if d not in contract and d not in batch)
         for group in (batch, free, tuple(sorted(contract))):
             if any(spec[d] is not None for d in group[1:]):
                 return True
@@ -346,18 +349,17 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
     bias = None if bias is None else jnp.asarray(bias, dtype)
-    if (_folding_drops_explicit_sharding(x, w, (((x.ndim - 1,), (0,)), ((), ()))) or
-            _residual_changes_result_type(x, w, residual)):
-        # Leading dims fold into M: a sharded inner one (a sequence dim) cannot keep its
-        # explicit sharding through that reshape; a residual sharded unlike x @ w makes
-        # jnp's sum combine the two. jnp's own computation runs.
-        r = None if residual is None else jnp.asarray(residual, dtype)
-        return dense_like_jnp(x, w, bias, r, activation=activation)
+    residual = None if residual is None else jnp.asarray(residual, dtype)
+    if _residual_changes_result_type(x, w, residual):  # (explicit mesh axes) jnp's sum combines the shardings
+        return dense_like_jnp(x, w, bias, residual, activation=activation)
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
-    x2 = x.reshape(m, k)
-    r2 = None if residual is None else jnp.asarray(residual, dtype).reshape(m, n)
     problem = _dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)
     use_kernel = (jnp.dtype(dtype) in KERNEL_DTYPES and min(m, n, k) > 0 and
                   _dispatch.choose_dense(problem, activation)[0] == "kernel")
-    fn = fused_dense if use_kernel else dense_like_jnp
-    return fn(x2, w, bias, r2, activation=activation).reshape(out_shape)
+    if not use_kernel:
+        return dense_like_jnp(x, w, bias, residual, activation=activation)
+    # Leading dims of x stay: the primitive folds them into M on each device, so a
+    # sharded one (a sequence dim) keeps its sharding.
+    x2 = x.reshape(1, k) if x.ndim == 1 else x
+    r2 = None if residual is None else residual.reshape(x2.shape[:-1] + (n,))
+    return fused_dense(x2, w, bias, r2, activation=activation).reshape(out_shape)

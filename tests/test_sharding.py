@@ -52,6 +52,11 @@ PATTERNS = {  # name: (a shape, b shape, dimension numbers, a spec, b spec)
     "batch": ((B, M, K), (B, K, N), (((2,), (1,)), ((0,), (0,))), P("x", None, None), P("x", None, None)),
     "NT_N_sharded": ((M, K), (N, K), (((1,), (1,)), ((), ())), P(), P("x", None)),
     "TN_K_sharded": ((K, M), (K, N), (((0,), (0,)), ((), ())), P("x", None), P("x", None)),
+    # x [B, S, K] @ W with the sequence dim sharded (x's leading dims used to be folded
+    # into M before the primitive: XLA all-gathered x and every device computed it all).
+    "sequence_sharded_x_at_W": ((B, M, K), (K, N), (((2,), (0,)), ((), ())), P(None, "x", None), P()),
+    "sequence_and_column": ((B, M, K), (K, N), (((2,), (0,)), ((), ())), P(None, "x", None), P(None, "y")),
+    "sequence_and_K": ((B, M, K), (K, N), (((2,), (0,)), ((), ())), P(None, "x", "y"), P("y", None)),
 }
 
 
@@ -77,6 +82,26 @@ def test_partitioned_like_jnp_dot(pattern):
     assert got["all-reduce"] == want["all-reduce"] and got["all-to-all"] == want["all-to-all"], (got, want)
     if ON_GPU:
         assert 'custom_call_target="jax_hopper_gemm"' in text and "__cublas" not in text
+
+
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+def test_dense_with_sequence_sharded_activations_is_not_gathered(activation):
+    """The fused dense keeps x's leading dims too: x [B, S@x, K] against replicated
+    weights needs no collective (jnp's block needs none), and its result keeps S sharded."""
+    mm = mesh()
+    x = jax.device_put(_random(jax.random.key(30), (B, M, K)), NamedSharding(mm, P(None, "x", None)))
+    w = jax.device_put(_random(jax.random.key(31), (K, N)), NamedSharding(mm, P()))
+    bias = jax.device_put(_random(jax.random.key(32), (N,)), NamedSharding(mm, P()))
+    r = jax.device_put(_random(jax.random.key(33), (B, M, N)), NamedSharding(mm, P(None, "x", None)))
+    with jax_hopper.dispatch("kernel"):
+        f = jax.jit(lambda x, w, b, r: jax_hopper.dense(x, w, b, activation=activation, residual=r))
+        ours = f(x, w, bias, r)
+        text = f.lower(x, w, bias, r).compile().as_text()
+    act = {None: lambda z: z, "gelu_tanh": jax.nn.gelu}[activation]
+    ref = jax.jit(lambda x, w, b, r: act(x @ w + b) + r)(x, w, bias, r)
+    assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
+    assert _collectives(text) == {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}, _collectives(text)
+    assert ours.sharding.is_equivalent_to(NamedSharding(mm, P(None, "x", None)), 3), ours.sharding
 
 
 def test_each_device_multiplies_only_its_shard():
@@ -309,9 +334,11 @@ def test_explicit_dense_result_type_follows_jnp():
 
 
 def test_explicit_sequence_sharded_activations_keep_their_sharding():
-    """x [B, S, K] with S sharded: the kernel would fold B and S into M, a reshape that
-    cannot keep S's explicit sharding (jax raised); such products run jax's own dot. A
-    sharded leading dim folds fine and keeps the kernel."""
+    """x [B, S, K] with S sharded: folding B and S into M before the primitive is a
+    reshape that cannot keep S's explicit sharding (jax raised). The primitive keeps x's
+    leading dims (folding them per device), so the product stays on the kernel with
+    jnp's result type. A fold that would still drop a sharding (the rhs's free dims
+    [K, N1, N2] with N2 sharded) runs jax's own dot."""
     mm = mesh(AxisType.Explicit)
     with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
         x = jax.device_put(_random(jax.random.key(12), (B, M, K)), NamedSharding(mm, P(None, "x")))
@@ -321,7 +348,14 @@ def test_explicit_sequence_sharded_activations_keep_their_sharding():
             ours = jax.jit(f)(x, w)
             assert jax.typeof(ours) == jax.typeof(ref), (jax.typeof(ours), jax.typeof(ref))
             assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
-        assert jax_hopper.dispatch_path(x, w, (((2,), (0,)), ((), ())))[0] == "jax"
+        assert jax_hopper.dispatch_path(x, w, (((2,), (0,)), ((), ())))[0] == "kernel"
+        w3 = jax.device_put(_random(jax.random.key(14), (K, 4, N // 4)), NamedSharding(mm, P(None, None, "x")))
+        x2 = jax.device_put(_random(jax.random.key(15), (M, K)), NamedSharding(mm, P()))
+        dn = (((1,), (0,)), ((), ()))
+        assert jax_hopper.dispatch_path(x2, w3, dn)[0] == "jax"
+        ours = jax.jit(lambda a, b: jax_hopper.dot_general(a, b, dn))(x2, w3)
+        ref3 = jax.jit(lambda a, b: lax.dot_general(a, b, dn))(x2, w3)
+        assert jax.typeof(ours) == jax.typeof(ref3)
         x_lead = jax.device_put(x, NamedSharding(mm, P("x")))
         assert jax_hopper.dispatch_path(x_lead, w, (((2,), (0,)), ((), ())))[0] == "kernel"
         assert jax.typeof(jax.jit(jax_hopper.matmul)(x_lead, w)) == jax.typeof(jax.jit(jnp.matmul)(x_lead, w))
