@@ -22,6 +22,8 @@ all-reduce), on our kernel the folded [L*M, K]^T [L*M, N] product.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -91,12 +93,24 @@ def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, sta
     return _product(ct, b, transpose_a=False, transpose_b=not transpose_b, like=a)
 
 
+def _inner_dims_explicitly_sharded(x) -> bool:
+    """Whether explicit mesh axes shard a dim of x [L0, ..., R, P] past L0 and before P,
+    which folding to [L0 * ... * R, P] cannot keep (jax refuses that reshape)."""
+    sharding = _sharding_of(x)
+    return is_explicit(sharding) and any(s is not None for s in padded_spec(sharding, x.ndim)[1:-1])
+
+
 def _contracting_leading_dims(x, y, *, like):
-    """x^T y over all leading dims and the rows of x [..., R, P] and y [..., R, Q]: [P, Q]."""
+    """x^T y over all leading dims and the rows of x [..., R, P] and y [..., R, Q]: [P, Q].
+    On our kernel the contracted dims are folded into one (under Auto mesh axes a sharded
+    inner one is gathered first); on XLA's path, and where explicit axes shard an inner
+    one, one dot_general contracts them all (partial sums and an all-reduce, as jnp)."""
     rows = tuple(range(x.ndim - 1))
-    x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-    if _kernel_chosen(x2, y2, True, False):
-        return _product(x2, y2, transpose_a=True, like=like)
+    r, p, q = math.prod(x.shape[:-1]), x.shape[-1], y.shape[-1]
+    foldable = r > 0 and not (_inner_dims_explicitly_sharded(x) or _inner_dims_explicitly_sharded(y))
+    problem = _dispatch.problem_of((r, p), (r, q), x.dtype, x.dtype, True, False)
+    if foldable and _dispatch.choose(problem)[0] == "kernel":
+        return _product(x.reshape(r, p), y.reshape(r, q), transpose_a=True, like=like)
     return lax.dot_general(x, y, ((rows, rows), ((), ())), out_sharding=_sharding_of(like))
 
 

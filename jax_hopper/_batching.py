@@ -9,6 +9,8 @@ merging with a batch dimension the primitive already had.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.interpreters import batching
@@ -55,7 +57,7 @@ def _batch_rule(args, dims, **params):
     a_rank = a.ndim - (da is not NOT_MAPPED)
     a, b = _to_front(a, da, size), _to_front(b, db, size)
     if a_rank > b_rank:  # A's leading dims against a batched B: fold them into M first
-        out = _bind(a.reshape((size, -1, a.shape[-1])), b, params)
+        out = _bind(a.reshape((size, math.prod(a.shape[1:-1]), a.shape[-1])), b, params)
         return out.reshape(a.shape[:-1] + out.shape[-1:]), 0
     if a.ndim == 3:
         return _bind(a, b, params), 0

@@ -10,6 +10,8 @@ primitive; its batching rule is in _batching.py.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,8 +75,8 @@ def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
                              has_residual=has_residual)
     n = w.shape[1]
     out_shape = x.shape[:-1] + (n,)
-    x = x.reshape(-1, x.shape[-1])  # leading dims fold into M here, on this device's shard
-    m = x.shape[0]
+    m = math.prod(x.shape[:-1])
+    x = x.reshape(m, x.shape[-1])  # leading dims fold into M here, on this device's shard
     if has_residual:
         residual = residual.reshape(m, n)
     x, w = _pad_for_tma(x, w, False, False)

@@ -13,6 +13,7 @@ _fallback.py). Autodiff and vmap rules live in _autodiff.py and _batching.py.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax._src.dispatch
@@ -130,7 +131,7 @@ def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     m, n, _, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
     out_shape = a.shape[:-2] + (m, n)
     if a.ndim > b.ndim:  # leading dims of A fold into M here, on this device's shard
-        a = a.reshape(-1, a.shape[-1])
+        a = a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
     call_shape = a.shape[:-2] + (_mnk(a.shape, b.shape, transpose_a, transpose_b)[0], n)
     a, b = _pad_for_tma(a, b, transpose_a, transpose_b)
     call = jax.ffi.ffi_call(_ffi.GEMM_TARGET, jax.ShapeDtypeStruct(call_shape, out_dtype))

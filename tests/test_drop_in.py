@@ -112,11 +112,18 @@ def test_accepts_out_sharding_keyword_like_lax():
 
 
 def test_zero_size_dimensions_match_jnp():
-    for a_shape, b_shape in [((0, 8), (8, 4)), ((4, 0), (0, 4)), ((4, 8), (8, 0)), ((0, 4, 8), (0, 8, 2))]:
+    for a_shape, b_shape in [((0, 8), (8, 4)), ((4, 0), (0, 4)), ((4, 8), (8, 0)), ((0, 4, 8), (0, 8, 2)),
+                             ((2, 3, 0), (0, 4)), ((2, 0, 5), (5, 4)), ((0, 3, 5), (5, 4))]:
         a, b = jnp.ones(a_shape, jnp.float16), jnp.ones(b_shape, jnp.float16)
         ours, ref = jax.jit(jax_hopper.matmul)(a, b), jnp.matmul(a, b)
         assert ours.shape == ref.shape
         np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(ref, np.float32))
+        # Their gradients (x [..., K] @ W contracts the leading dims in dW) and vmap over W.
+        loss = lambda x, y: jnp.sum(jax_hopper.matmul(x, y).astype(jnp.float32))  # noqa: E731
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)
+        assert [g.shape for g in grads] == [a.shape, b.shape]
+        stacked = jnp.stack([b, b])
+        assert jax.vmap(lambda y: jax_hopper.matmul(a, y))(stacked).shape == (2,) + ref.shape
 
 
 def _weak_f32(shape):

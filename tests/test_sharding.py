@@ -361,6 +361,30 @@ def test_explicit_sequence_sharded_activations_keep_their_sharding():
         assert jax.typeof(jax.jit(jax_hopper.matmul)(x_lead, w)) == jax.typeof(jax.jit(jnp.matmul)(x_lead, w))
 
 
+def test_explicit_sequence_sharded_gradients_and_residuals_follow_jnp():
+    """x [B, S@x, K]: dW contracts B and S, which folding cannot do with S sharded
+    (jax raised 'reshape is not supported'): one dot_general contracts them. A residual
+    sharded unlike x @ w makes jnp's sum combine the shardings: that layer runs jnp's
+    computation, so the result type is jnp's."""
+    mm = mesh(AxisType.Explicit)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        x = jax.device_put(_random(jax.random.key(40), (B, M, K)), NamedSharding(mm, P(None, "x")))
+        w = jax.device_put(_random(jax.random.key(41), (K, N)), NamedSharding(mm, P()))
+        r = jax.device_put(_random(jax.random.key(42), (B, M, N)), NamedSharding(mm, P(None, None, "y")))
+        gelu_dense = lambda x, w: jax_hopper.dense(x, w, activation="gelu_tanh")  # noqa: E731
+        for f, ref_f in [(jax_hopper.matmul, jnp.matmul), (gelu_dense, lambda x, w: jax.nn.gelu(x @ w))]:
+            loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2)  # noqa: E731
+            ours = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w)
+            ref = jax.jit(jax.grad(loss(ref_f), argnums=(0, 1)))(x, w)
+            for go, gr in zip(ours, ref):
+                assert jax.typeof(go) == jax.typeof(gr), (jax.typeof(go), jax.typeof(gr))
+                assert relative_error(go, gr.astype(jnp.float32)) < 2e-2
+        ours = jax.jit(lambda x, w, r: jax_hopper.dense(x, w, activation="relu", residual=r))(x, w, r)
+        ref = jax.jit(lambda x, w, r: jax.nn.relu(x @ w) + r)(x, w, r)
+        assert jax.typeof(ours) == jax.typeof(ref), (jax.typeof(ours), jax.typeof(ref))
+        assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
+
+
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
 def test_explicit_mesh_gradients_with_a_sharded_contraction_in_the_backward(policy):
     """x [M@x, K] @ w [K, N@y]: dW = x^T dC contracts the sharded M. Under policy
