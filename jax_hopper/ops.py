@@ -32,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_hopper import _autodiff, _batching, _dispatch  # noqa: F401
 from jax_hopper._dimension_numbers import plan_dot_general
 from jax_hopper._primitive import F16_ACCUMULATION_KERNEL, KERNEL_DTYPES, gemm
-from jax_hopper._sharding import is_explicit, output_sharding, padded_spec
+from jax_hopper._sharding import is_explicit, padded_spec
 
 F32 = jnp.dtype(jnp.float32)
 # The name our kernel's products carry for jax.checkpoint policies: jax's dot policies
@@ -362,17 +362,4 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     # sharded one (a sequence dim) keeps its sharding.
     x2 = x.reshape(1, k) if x.ndim == 1 else x
     r2 = None if residual is None else residual.reshape(x2.shape[:-1] + (n,))
-    if r2 is not None and _residual_changes_result_type(x2, w, r2):
-        return dense_like_jnp(x, w, bias, residual, activation=activation)
     return fused_dense(x2, w, bias, r2, activation=activation).reshape(out_shape)
-
-
-def _residual_changes_result_type(x, w, residual) -> bool:
-    """Under explicit mesh axes, whether a residual sharded unlike x @ w would make jnp's
-    `... + residual` combine the two shardings: the fused primitive's result type is
-    x @ w's (jnp's rule), so such a layer runs jnp's computation."""
-    spec = _explicit_spec(residual)
-    if spec is None:
-        return False
-    product = output_sharding(jax.typeof(x), jax.typeof(w), False, False)
-    return product is None or padded_spec(product, residual.ndim) != spec
