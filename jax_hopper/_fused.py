@@ -10,8 +10,6 @@ primitive; its batching rule is in _batching.py.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,17 +71,13 @@ def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
         _ffi.warn_no_kernel_once(reason)
         return _default_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
                              has_residual=has_residual)
-    n = w.shape[1]
-    out_shape = x.shape[:-1] + (n,)
-    m = math.prod(x.shape[:-1])
-    x = x.reshape(m, x.shape[-1])  # leading dims fold into M here, on this device's shard
-    if has_residual:
-        residual = residual.reshape(m, n)
+    # x's (and the residual's) leading dims fold into M in the FFI handler, not here (see
+    # _primitive._cuda_impl).
+    out_shape = x.shape[:-1] + (w.shape[1],)
     x, w = _pad_for_tma(x, w, False, False)
-    call = jax.ffi.ffi_call(_ffi.GEMM_FUSED_TARGET, jax.ShapeDtypeStruct((m, n), x.dtype))
-    c = call(x, w, bias if has_bias else _absent(x.dtype), residual if has_residual else _absent(x.dtype),
-             transpose_a=np.int32(0), transpose_b=np.int32(0), activation=np.int32(ACTIVATIONS[activation]))
-    return c.reshape(out_shape)
+    call = jax.ffi.ffi_call(_ffi.GEMM_FUSED_TARGET, jax.ShapeDtypeStruct(out_shape, x.dtype))
+    return call(x, w, bias if has_bias else _absent(x.dtype), residual if has_residual else _absent(x.dtype),
+                transpose_a=np.int32(0), transpose_b=np.int32(0), activation=np.int32(ACTIVATIONS[activation]))
 
 
 def _eager_impl(*args, **params):

@@ -13,7 +13,6 @@ _fallback.py). Autodiff and vmap rules live in _autodiff.py and _batching.py.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax._src.dispatch
@@ -104,7 +103,8 @@ def _pad_for_tma(a, b, transpose_a, transpose_b):
     m, n, k, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
     k_major_a, k_major_b = not transpose_a, transpose_b
     k_pad = _round_up(k, TMA_ROW_MULTIPLE) if (k_major_a or k_major_b) else k
-    rows, cols = a.ndim - 2, a.ndim - 1
+    # Axes counted from the end: A may have more leading dims than B.
+    rows, cols = -2, -1
     a = _pad_axis(a, rows if transpose_a else cols, k_pad)
     b = _pad_axis(b, cols if transpose_b else rows, k_pad)
     if transpose_a:
@@ -129,15 +129,12 @@ def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
         _ffi.warn_no_kernel_once(reason)
         return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
     m, n, _, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
-    out_shape = a.shape[:-2] + (m, n)
-    if a.ndim > b.ndim:  # leading dims of A fold into M here, on this device's shard
-        a = a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
-    call_shape = a.shape[:-2] + (_mnk(a.shape, b.shape, transpose_a, transpose_b)[0], n)
+    # A [..., M, K] against a 2-D B keeps its leading dims: the FFI handler folds them into
+    # M (contiguous rows), as a reshape here could not under explicit mesh axes.
     a, b = _pad_for_tma(a, b, transpose_a, transpose_b)
-    call = jax.ffi.ffi_call(_ffi.GEMM_TARGET, jax.ShapeDtypeStruct(call_shape, out_dtype))
-    c = call(a, b, transpose_a=np.int32(transpose_a), transpose_b=np.int32(transpose_b),
-             kernel=np.int32(KERNELS[kernel]), stages=np.int32(stages))
-    return c.reshape(out_shape)
+    call = jax.ffi.ffi_call(_ffi.GEMM_TARGET, jax.ShapeDtypeStruct(a.shape[:-2] + (m, n), out_dtype))
+    return call(a, b, transpose_a=np.int32(transpose_a), transpose_b=np.int32(transpose_b),
+                kernel=np.int32(KERNELS[kernel]), stages=np.int32(stages))
 
 
 def _default_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):

@@ -166,6 +166,29 @@ def test_batched_and_f32_output_match_f32_reference(hopper, dtype, out_dtype):
         assert err <= max(ERROR_FACTOR * err_jnp, 1e-5), f"{err:.3e} vs {err_jnp:.3e}"
 
 
+@pytest.mark.parametrize("transpose_b", [False, True], ids=["nn", "nt"])
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32], ids=["out16", "out32"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
+def test_leading_dims_of_a_fold_into_m_in_the_handler(hopper, dtype, out_dtype, transpose_b):
+    """x [2, 3, M, K] @ W: the custom call gets x and C with their leading dims (the FFI
+    handler folds them into M); K = 70 is padded on the way in (an N-D pad), M = 37 leaves
+    a partial tile per fold. Same error rule as the 2-D products."""
+    lead, m, n, k = (2, 3), 37, 136, 70
+    ka, kb = jax.random.split(jax.random.key(12))
+    x = seed_normal(ka, lead + (m, k), dtype, k)
+    w = seed_normal(kb, (n, k) if transpose_b else (k, n), dtype, k)
+    dn = (((x.ndim - 1,), (1 if transpose_b else 0,)), ((), ()))
+    f = lambda x, w: jax_hopper.dot_general(x, w, dn, preferred_element_type=out_dtype)  # noqa: E731
+    expect_dtype = out_dtype or dtype
+    out, _ = run_into_poison(f, lead + (m, n), expect_dtype, x, w)
+    assert out.dtype == expect_dtype and not bool(jnp.isnan(out).any())
+    ref = jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), dn, precision="highest")
+    err = relative_error(out, ref)
+    err_jnp = relative_error(jax.lax.dot_general(x, w, dn, preferred_element_type=out_dtype), ref)
+    # f32 output: both errors are f32 summation noise; see the batched test's band.
+    assert err <= max(ERROR_FACTOR * err_jnp, 1e-5 if out_dtype else 0.0), f"{err:.3e} vs {err_jnp:.3e}"
+
+
 @pytest.mark.parametrize("shape", [(8192, 8192, 8192), (1000, 3000, 4160), (256, 8192, 8192), (16, 8192, 8192),
                                    (100, 3000, 4160)], ids=lambda s: "x".join(map(str, s)))
 def test_stream_k_tail_is_correct_and_deterministic(hopper, shape):

@@ -176,7 +176,11 @@ FFI_MISUSE = [  # (a, b, c shape, c dtype, attributes, message)
     ((64, 32), (48, 64), (64, 64), F16, {}, "inconsistent shapes"),
     ((64, 32), (32, 64), (65, 64), F16, {}, "inconsistent shapes"),
     ((64, 12), (12, 64), (64, 64), F16, {}, "not a multiple of 8"),
-    ((2, 64, 32), (32, 64), (64, 64), F16, {}, "rank"),
+    ((2, 64, 32), (32, 64, 1), (64, 64), F16, {}, "rank"),
+    # A [..., M, K] against a 2-D B folds its leading dims into M; C must keep them.
+    ((2, 64, 32), (32, 64), (64, 64), F16, {}, "needs c"),
+    ((2, 64, 32), (32, 64), (2, 65, 64), F16, {}, "needs c"),
+    ((2, 32, 64), (32, 64), (2, 64, 64), F16, {"transpose_a": 1}, "transpose_a=0"),
     ((2, 64, 32), (3, 32, 64), (2, 64, 64), F16, {}, "batch sizes differ"),
     ((64, 32), (32, 64), (64, 64), BF16, {}, "c must have"),
     ((64, 32), (32, 64), (64, 64), F16, {"kernel": 7}, "unknown kernel"),

@@ -2,10 +2,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <numeric>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "gemm/gemm.h"
 #include "xla/ffi/api/ffi.h"
@@ -43,19 +46,33 @@ ffi::Error to_ffi(const Status& st) {
 // re-checked here so a malformed call is rejected instead of read out of bounds):
 //  all of rank 2, or all of rank 3 with the same leading batch size; per batch entry
 //  c is [M, N]; a is [M, K] (or [K, ldA >= M] with transpose_a); b is [K, ldB >= N] (or
-//  [N, K] with transpose_b). A stored row may be longer than its logical extent: the
-//  Python side pads rows to the 16-byte multiple TMA needs and those columns are not
-//  read. c is a's type, or f32.
+//  [N, K] with transpose_b). Or a [..., M, K] (not transposed) and c [..., M, N] against
+//  a rank-2 b: a's and c's rows are contiguous, so their leading dims fold into M here
+//  (a reshape in the lowering would have to name explicit mesh shardings it cannot keep).
+//  A stored row may be longer than its logical extent: the Python side pads rows to the
+//  16-byte multiple TMA needs and those columns are not read. c is a's type, or f32.
 ffi::Error decode(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer>& c, int32_t transpose_a,
                   int32_t transpose_b, GemmArgs& args) {
-  const auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
-  const size_t rank = dc.size();
   const auto shapes = [&] {
-    return " (a" + shape_str(da) + ", b" + shape_str(db) + ", c" + shape_str(dc) + ", transpose_a=" +
-           std::to_string(transpose_a) + ", transpose_b=" + std::to_string(transpose_b) + ")";
+    return " (a" + shape_str(a.dimensions()) + ", b" + shape_str(b.dimensions()) + ", c" +
+           shape_str(c->dimensions()) + ", transpose_a=" + std::to_string(transpose_a) +
+           ", transpose_b=" + std::to_string(transpose_b) + ")";
   };
+  const auto db = b.dimensions();
+  std::vector<int64_t> da(a.dimensions().begin(), a.dimensions().end());
+  std::vector<int64_t> dc(c->dimensions().begin(), c->dimensions().end());
+  if (db.size() == 2 && da.size() > 2) {
+    if (transpose_a || dc.size() != da.size() || !std::equal(da.begin(), da.end() - 1, dc.begin()))
+      return ffi::Error::InvalidArgument("jax_hopper_gemm: a [..., M, K] against a 2-D b needs c [..., M, N] and "
+                                         "transpose_a=0" + shapes());
+    const int64_t rows = std::accumulate(da.begin(), da.end() - 1, int64_t{1}, std::multiplies<int64_t>());
+    da = {rows, da.back()};
+    dc = {rows, dc.back()};
+  }
+  const size_t rank = dc.size();
   if ((rank != 2 && rank != 3) || da.size() != rank || db.size() != rank)
-    return ffi::Error::InvalidArgument("jax_hopper_gemm: operands must all be rank 2 or all rank 3" + shapes());
+    return ffi::Error::InvalidArgument("jax_hopper_gemm: operands must all be rank 2, all rank 3, or a [..., M, K] "
+                                       "against a 2-D b" + shapes());
   const auto type = a.element_type();
   if (b.element_type() != type || (type != ffi::DataType::F16 && type != ffi::DataType::BF16))
     return ffi::Error::InvalidArgument("jax_hopper_gemm: a and b must both be f16 or both bf16");
@@ -123,18 +140,18 @@ constexpr Activation kActivations[] = {Activation::kNone, Activation::kRelu, Act
                                        Activation::kGeluErf, Activation::kSilu};
 constexpr int32_t kNumActivations = sizeof(kActivations) / sizeof(kActivations[0]);
 
-// The fused product C = act(A * B + bias) + residual: the contract of GemmImpl in rank
-// 2 with an output of the operands' type, plus bias [N] and residual [M, N] of that type,
-// each passed as an empty array when absent.
+// The fused product C = act(A * B + bias) + residual: the contract of GemmImpl for a 2-D
+// b (a [M, K] or [..., M, K]) with an output of the operands' type, plus bias [N] and
+// residual (c's shape) of that type, each passed as an empty array when absent.
 ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
                          ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> c, int32_t transpose_a,
                          int32_t transpose_b, int32_t activation) {
   GemmArgs args;
   if (ffi::Error err = decode(a, b, c, transpose_a, transpose_b, args); err.failure()) return err;
   const auto type = a.element_type();
-  if (c->dimensions().size() != 2 || c->element_type() != type)
-    return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: c must be rank 2 of the operands' type");
-  const auto db = bias.dimensions(), dr = residual.dimensions();
+  if (b.dimensions().size() != 2 || c->element_type() != type)
+    return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: b must be rank 2 and c of the operands' type");
+  const auto db = bias.dimensions(), dr = residual.dimensions(), dc = c->dimensions();
   if (bias.element_count() != 0) {
     if (bias.element_type() != type || db.size() != 1 || db[0] != args.n)
       return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: bias must be [N] of the operands' type, got " +
@@ -142,9 +159,9 @@ ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
     args.bias = bias.untyped_data();
   }
   if (residual.element_count() != 0) {
-    if (residual.element_type() != type || dr.size() != 2 || dr[0] != args.m || dr[1] != args.n)
-      return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: residual must be [M, N] of the operands' type, got " +
-                                         shape_str(dr));
+    if (residual.element_type() != type || !std::equal(dr.begin(), dr.end(), dc.begin(), dc.end()))
+      return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: residual must have c's shape " + shape_str(dc) +
+                                         " and the operands' type, got " + shape_str(dr));
     args.residual = residual.untyped_data();
     args.ld_residual = args.n;
   }
@@ -177,7 +194,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFused, jax_hopper::GemmFusedImpl,
                                   .Arg<ffi::AnyBuffer>()  // a
                                   .Arg<ffi::AnyBuffer>()  // b
                                   .Arg<ffi::AnyBuffer>()  // bias ([N] or empty)
-                                  .Arg<ffi::AnyBuffer>()  // residual ([M, N] or empty)
+                                  .Arg<ffi::AnyBuffer>()  // residual (c's shape, or empty)
                                   .Ret<ffi::AnyBuffer>()  // c
                                   .Attr<int32_t>("transpose_a")
                                   .Attr<int32_t>("transpose_b")
