@@ -153,19 +153,52 @@ def _infer(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes
     return _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b)[1][2]
 
 
-def _partition(local_impl, transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
-    del result_shape
-    plan, (a_sharding, b_sharding, out_sharding) = _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b)
-    k_axes = plan.k
-
-    def lower_fn(a, b):
-        params = dict(transpose_a=transpose_a, transpose_b=transpose_b, kernel=kernel, stages=stages)
+def _per_device_product(local_impl, k_axes, out_dtype, **params):
+    """What each device computes: its product, or (K split over k_axes) its f32 partial
+    sums, added over those axes and rounded once."""
+    def product(a, b):
         if not k_axes:
             return local_impl(a, b, out_dtype=out_dtype, **params)
         partial_sums = local_impl(a, b, out_dtype=_F32, **params)
         return jax.lax.psum(partial_sums, k_axes).astype(out_dtype)
 
+    return product
+
+
+def _partition(local_impl, transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
+    del result_shape
+    plan, (a_sharding, b_sharding, out_sharding) = _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b)
+    lower_fn = _per_device_product(local_impl, plan.k, out_dtype, transpose_a=transpose_a, transpose_b=transpose_b,
+                                   kernel=kernel, stages=stages)
     return mesh, lower_fn, out_sharding, (a_sharding, b_sharding)
+
+
+def _shard_mapped(per_device, arg_shardings, out_sharding, result_sharding, *args):
+    """Explicit mesh axes: the operands' types name their shardings, so the plan is made
+    while lowering and each device's product runs in a shard_map (resharding operands
+    the plan does not split as they are, and the result to the type the primitive
+    declared). custom_partitioning does not serve here: its per-device body is traced
+    under the explicit mesh, so it carried sharding annotations into the partitioned
+    module (XLA: 'No registered implementation for custom call to Sharding') and its
+    psum's reducer was no longer a plain add (XLA aborted: all_reduce_thunk
+    'reduction_kind.has_value()'); seen with jax 0.11.2 on two H200s."""
+    args = [jax.sharding.reshard(x, s) for x, s in zip(args, arg_shardings)]
+    out = jax.shard_map(per_device, mesh=out_sharding.mesh, in_specs=tuple(s.spec for s in arg_shardings),
+                        out_specs=out_sharding.spec, check_vma=False)(*args)
+    return jax.sharding.reshard(out, result_sharding)
+
+
+def _explicit(local_impl):
+    """The lowering of gemm_p for operands typed with explicit mesh axes (_shard_mapped)."""
+    def impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
+        types = (jax.typeof(a), jax.typeof(b))
+        plan, shardings = _operand_shardings(types[0].sharding.mesh, types, transpose_a, transpose_b)
+        per_device = _per_device_product(local_impl, plan.k, out_dtype, transpose_a=transpose_a,
+                                         transpose_b=transpose_b, kernel=kernel, stages=stages)
+        result = output_sharding(*types, transpose_a, transpose_b)
+        return _shard_mapped(per_device, shardings[:2], shardings[2], result, a, b)
+
+    return impl
 
 
 def _lead_factors(a_ndim, b_ndim):
@@ -182,6 +215,13 @@ def _sharding_rule(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, va
     a = "k m" if transpose_a else "m k"
     b = "n k" if transpose_b else "k n"
     return f"{lead}{a}, {b_lead}{b} -> {lead}m n", {"reduction_factors": ("k",)}
+
+
+def _explicit_operands(ctx) -> bool:
+    """Operands typed with explicit mesh axes, outside any shard_map (a partly manual
+    mesh keeps custom_partitioning)."""
+    shardings = [getattr(aval, "sharding", None) for aval in ctx.avals_in]
+    return any(is_explicit(s) and not any("Manual" in str(t) for t in s.mesh.axis_types) for s in shardings)
 
 
 def _spans_devices(ctx) -> bool:
@@ -201,15 +241,18 @@ def _spans_devices(ctx) -> bool:
 def lowering(local_impl):
     """A lowering rule for gemm_p computing local_impl(a, b, **params) on one device and
     partitioned by the rules above when the program spans several."""
-    return _local_or_partitioned(local_impl, partitioned(local_impl))
+    return _local_or_partitioned(local_impl, partitioned(local_impl), _explicit(local_impl))
 
 
-def _local_or_partitioned(local_impl, partitioned_impl):
+def _local_or_partitioned(local_impl, partitioned_impl, explicit_impl):
     direct = mlir.lower_fun(local_impl, multiple_results=False)
     sharded = mlir.lower_fun(partitioned_impl, multiple_results=False)
+    explicit = mlir.lower_fun(explicit_impl, multiple_results=False)
 
     def rule(ctx, *args, **params):
-        return (sharded if _spans_devices(ctx) else direct)(ctx, *args, **params)
+        if not _spans_devices(ctx):
+            return direct(ctx, *args, **params)
+        return (explicit if _explicit_operands(ctx) else sharded)(ctx, *args, **params)
 
     return rule
 
@@ -256,13 +299,18 @@ def _dense_infer(activation, has_bias, has_residual, mesh, arg_shapes, result_sh
 
 
 def _dense_partition(local_impl, activation, has_bias, has_residual, mesh, arg_shapes, result_shape):
+    del result_shape
+    k_axes, arg_shardings, out_sharding = _dense_shardings(mesh, arg_shapes, has_bias, has_residual)
+    return mesh, _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual), out_sharding, arg_shardings
+
+
+def _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual):
+    """Each device's fused layer; with K split, f32 partial products, psum, then the
+    epilogue through XLA on the sum."""
     from jax_hopper._fallback import dense_epilogue
     from jax_hopper._primitive import DEFAULT_KERNEL, DEFAULT_STAGES, gemm_p
 
-    del result_shape
-    k_axes, arg_shardings, out_sharding = _dense_shardings(mesh, arg_shapes, has_bias, has_residual)
-
-    def lower_fn(x, w, bias, residual):
+    def layer(x, w, bias, residual):
         if not k_axes:
             return local_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
                               has_residual=has_residual)
@@ -271,7 +319,19 @@ def _dense_partition(local_impl, activation, has_bias, has_residual, mesh, arg_s
         return dense_epilogue(jax.lax.psum(partial, k_axes), bias if has_bias else None,
                               residual if has_residual else None, activation=activation, dtype=x.dtype)
 
-    return mesh, lower_fn, out_sharding, arg_shardings
+    return layer
+
+
+def _dense_explicit(local_impl):
+    """The fused layer's lowering for operands typed with explicit mesh axes (_shard_mapped)."""
+    def impl(x, w, bias, residual, *, activation, has_bias, has_residual):
+        types = tuple(jax.typeof(v) for v in (x, w, bias, residual))
+        k_axes, arg_shardings, out_sharding = _dense_shardings(types[0].sharding.mesh, types, has_bias, has_residual)
+        per_device = _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual)
+        result = output_sharding(types[0], types[1], False, False)
+        return _shard_mapped(per_device, arg_shardings, out_sharding, result, x, w, bias, residual)
+
+    return impl
 
 
 def _dense_sharding_rule(activation, has_bias, has_residual, mesh, value_types, result_types):
@@ -294,4 +354,4 @@ def dense_lowering(local_impl):
     def impl(x, w, bias, residual, *, activation, has_bias, has_residual):
         return call(x, w, bias, residual, activation, has_bias, has_residual)
 
-    return _local_or_partitioned(local_impl, impl)
+    return _local_or_partitioned(local_impl, impl, _dense_explicit(local_impl))

@@ -250,8 +250,10 @@ def test_derivative_on_xla_keeps_explicit_shardings():
         with jax_hopper.dispatch("auto"):  # the derivative is traced here: XLA's dot for every product
             grad = jax.jit(jax.grad(loss(jax_hopper.matmul, "kernel"), argnums=(0, 1)))
             text = grad.trace(a, w).lower(lowering_platforms=("cuda",)).as_text()
-            # The forward on our kernel (partitioned), both derivative products on XLA's dot.
-            assert re.findall(r"custom_call @(\S+)\(", text) == ["CustomSPMDPartitioning"]
+            # The forward on our kernel (explicit axes: each device's product in a
+            # shard_map), both derivative products on XLA's dot.
+            assert re.findall(r"custom_call @(\S+)\(", text) == ["jax_hopper_gemm"]
+            assert "sdy.manual_computation" in text
             assert len(re.findall(r"stablehlo\.dot_general", text)) == 2
             if ON_GPU:
                 ga, gw = grad(a, w)
