@@ -183,7 +183,8 @@ FFI_MISUSE = [  # (a, b, c shape, c dtype, attributes, message)
     ((2, 32, 64), (32, 64), (2, 64, 64), F16, {"transpose_a": 1}, "transpose_a=0"),
     ((2, 64, 32), (3, 32, 64), (2, 64, 64), F16, {}, "batch sizes differ"),
     ((64, 32), (32, 64), (64, 64), BF16, {}, "c must have"),
-    ((64, 32), (32, 64), (64, 64), F16, {"kernel": 7}, "unknown kernel"),
+    ((64, 32), (32, 64), (64, 64), F16, {"kernel": 5}, "unknown kernel"),  # the fused kind: its own handler
+    ((64, 32), (32, 64), (64, 64), F16, {"kernel": 9}, "unknown kernel"),  # past the last kind
     ((64, 32), (32, 64), (64, 64), F16, {"stages": 5}, "no compiled"),
 ]
 

@@ -160,7 +160,7 @@ ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
   }
   if (residual.element_count() != 0) {
     if (residual.element_type() != type || !std::equal(dr.begin(), dr.end(), dc.begin(), dc.end()))
-      return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: residual must have c's shape " + shape_str(dc) +
+      return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: residual must be c's shape " + shape_str(dc) +
                                          " and the operands' type, got " + shape_str(dr));
     args.residual = residual.untyped_data();
     args.ld_residual = args.n;
