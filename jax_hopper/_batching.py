@@ -4,7 +4,9 @@ Where the memory layout allows, a vmapped operand against an unbatched one joins
 leading dims (A stored [..., M, K] against a rank-2 B: folded into M on each device) or
 is folded into N (B stored [N, K]): one plain GEMM, no copy. Otherwise the vmapped axis
 becomes the primitive's leading batch dimension (an unbatched operand is broadcast),
-merging with a batch dimension the primitive already had.
+merging with a batch dimension the primitive already had. (One exception: per-example
+weights against an x whose inner leading dim is sharded on explicit mesh axes go to
+XLA's dot, since folding that dim is not allowed.)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from jax_hopper import _dispatch
 from jax_hopper._fallback import dense_reference
 from jax_hopper._fused import dense_p
 from jax_hopper._primitive import SMALL_M_KERNEL, gemm_p, stages_of
+from jax_hopper._sharding import explicit_spec
 
 NOT_MAPPED = None
 
@@ -57,6 +60,12 @@ def _batch_rule(args, dims, **params):
     a_rank = a.ndim - (da is not NOT_MAPPED)
     a, b = _to_front(a, da, size), _to_front(b, db, size)
     if a_rank > b_rank:  # A's leading dims against a batched B: fold them into M first
+        if any(explicit_spec(jax.typeof(a))[2:-1]):
+            # ...unless the fold would merge a dim sharded on explicit mesh axes into the
+            # one before it (x [B, S@x, K] against per-example weights), which jax refuses:
+            # then XLA's dot, batched over the vmapped axis.
+            dn = (((a.ndim - 1,), (2 if params["transpose_b"] else 1,)), ((0,), (0,)))
+            return jax.lax.dot_general(a, b, dn, preferred_element_type=params["out_dtype"]), 0
         out = _bind(a.reshape((size, math.prod(a.shape[1:-1]), a.shape[-1])), b, params)
         return out.reshape(a.shape[:-1] + out.shape[-1:]), 0
     if a.ndim == 3:

@@ -93,6 +93,15 @@ def _plan(a_sharding, b_sharding, a_shape, b_ndim, transpose_a, transpose_b) -> 
     return Plan(batch, lead, m, n, k)
 
 
+def _on_mesh(sharding, mesh):
+    """An operand's sharding, or replicated on `mesh` where it names no mesh axes (an
+    operand without a mesh next to one typed with explicit axes)."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None or not getattr(getattr(sharding, "mesh", None), "axis_names", ()):
+        return NamedSharding(mesh, PartitionSpec())
+    return sharding
+
+
 def _divides(sharding, axes, size) -> bool:
     mesh_shape = getattr(getattr(sharding, "mesh", None), "shape", None)
     if not axes or mesh_shape is None:
@@ -132,19 +141,37 @@ def output_sharding(a, b, transpose_a, transpose_b):
     """The result's sharding in the avals' type system (explicit mesh axes): batch,
     leading dims and M as `a` has them, N as `b` has it, jnp.dot's rule. None where avals
     carry none."""
-    sa, sb = getattr(a, "sharding", None), getattr(b, "sharding", None)
-    if not (is_explicit(sa) and hasattr(sb, "spec")):
+    mesh = explicit_mesh(a, b)
+    if mesh is None:
         return None  # no sharding in the type system: the result's aval carries none either
     lead_dims, (ab, am, _), (_, _, bn) = _roles(a.ndim, b.ndim, transpose_a, transpose_b)
-    spec_a, spec_b = padded_spec(sa, a.ndim), padded_spec(sb, b.ndim)
+    spec_a, spec_b = explicit_spec(a), explicit_spec(b)
     entries = ((spec_a[ab],) if ab is not None else ()) + tuple(spec_a[d] for d in lead_dims) + (spec_a[am], spec_b[bn])
-    return NamedSharding(sa.mesh, PartitionSpec(*entries))
+    return NamedSharding(mesh, PartitionSpec(*entries))
+
+
+def explicit_mesh(*avals):
+    """The mesh of the first aval typed with explicit mesh axes; None if there is none
+    (an operand without a mesh -- a constant, an uncommitted array -- is replicated)."""
+    for aval in avals:
+        sharding = getattr(aval, "sharding", None)
+        if is_explicit(sharding):
+            return sharding.mesh
+    return None
+
+
+def explicit_spec(aval) -> tuple:
+    """An aval's spec per dimension under explicit axes; all None (replicated) for one
+    without them."""
+    sharding = getattr(aval, "sharding", None)
+    return padded_spec(sharding, aval.ndim) if is_explicit(sharding) else (None,) * aval.ndim
 
 
 def _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b):
     """(plan, (a, b, result shardings)) for the operands' shardings."""
     a, b = arg_shapes[0], arg_shapes[1]
-    plan = _plan(a.sharding, b.sharding, a.shape, len(b.shape), transpose_a, transpose_b)
+    plan = _plan(_on_mesh(a.sharding, mesh), _on_mesh(b.sharding, mesh), a.shape, len(b.shape), transpose_a,
+                 transpose_b)
     return plan, _shardings(mesh, len(a.shape), len(b.shape), transpose_a, transpose_b, plan)
 
 
@@ -188,14 +215,23 @@ def _shard_mapped(per_device, arg_shardings, out_sharding, result_sharding, *arg
     return jax.sharding.reshard(out, result_sharding)
 
 
+def _mnk_out(a_shape, b_shape, transpose_a, transpose_b):
+    """(M, N) of the primitive's operands."""
+    return (a_shape[-1] if transpose_a else a_shape[-2]), (b_shape[-2] if transpose_b else b_shape[-1])
+
+
 def _explicit(local_impl):
     """The lowering of gemm_p for operands typed with explicit mesh axes (_shard_mapped)."""
     def impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
         types = (jax.typeof(a), jax.typeof(b))
-        plan, shardings = _operand_shardings(types[0].sharding.mesh, types, transpose_a, transpose_b)
+        result = output_sharding(*types, transpose_a, transpose_b)
+        k = a.shape[-2] if transpose_a else a.shape[-1]
+        if k == 0:  # an empty sum (XLA refuses a shard_map whose operands are all empty)
+            return jnp.zeros(a.shape[:-2] + tuple(_mnk_out(a.shape, b.shape, transpose_a, transpose_b)), out_dtype,
+                             out_sharding=result)
+        plan, shardings = _operand_shardings(explicit_mesh(*types), types, transpose_a, transpose_b)
         per_device = _per_device_product(local_impl, plan.k, out_dtype, transpose_a=transpose_a,
                                          transpose_b=transpose_b, kernel=kernel, stages=stages)
-        result = output_sharding(*types, transpose_a, transpose_b)
         return _shard_mapped(per_device, shardings[:2], shardings[2], result, a, b)
 
     return impl
@@ -325,10 +361,17 @@ def _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual):
 def _dense_explicit(local_impl):
     """The fused layer's lowering for operands typed with explicit mesh axes (_shard_mapped)."""
     def impl(x, w, bias, residual, *, activation, has_bias, has_residual):
+        from jax_hopper._fallback import dense_epilogue
+
         types = tuple(jax.typeof(v) for v in (x, w, bias, residual))
-        k_axes, arg_shardings, out_sharding = _dense_shardings(types[0].sharding.mesh, types, has_bias, has_residual)
-        per_device = _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual)
         result = output_sharding(types[0], types[1], False, False)
+        if x.shape[-1] == 0:  # an empty sum: the epilogue of zeros (see _explicit)
+            zeros = jnp.zeros(x.shape[:-1] + w.shape[-1:], _F32, out_sharding=result)
+            return dense_epilogue(zeros, bias if has_bias else None, residual if has_residual else None,
+                                  activation=activation, dtype=x.dtype)
+        mesh = explicit_mesh(*types)
+        k_axes, arg_shardings, out_sharding = _dense_shardings(mesh, types, has_bias, has_residual)
+        per_device = _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual)
         return _shard_mapped(per_device, arg_shardings, out_sharding, result, x, w, bias, residual)
 
     return impl

@@ -423,3 +423,47 @@ def test_explicit_dense_residual_sharded_unlike_the_product_gets_jnps_type():
             ref = jax.jit(lambda x, w, r: jax.nn.relu(x @ w) + r)(x, w, r)
             assert jax.typeof(ours) == jax.typeof(ref), (r_spec, jax.typeof(ours), jax.typeof(ref))
             assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
+
+
+def test_explicit_operand_next_to_one_without_a_mesh():
+    """A constant (or uncommitted) x against w sharded on explicit axes: the plan takes the
+    mesh from w and treats x as replicated; the result type is jnp's (N sharded as w)."""
+    mm = mesh(AxisType.Explicit)
+    x = np.asarray(_random(jax.random.key(60), (M, K)))
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        w = jax.device_put(_random(jax.random.key(61), (K, N)), NamedSharding(mm, P(None, "y")))
+        for f, ref_f in [(jax_hopper.matmul, jnp.matmul), (lambda a, b: jax_hopper.dense(a, b, activation="relu"),
+                                                           lambda a, b: jax.nn.relu(a @ b))]:
+            ours = jax.jit(lambda w: f(jnp.asarray(x), w))(w)
+            ref = jax.jit(lambda w: ref_f(jnp.asarray(x), w))(w)
+            assert jax.typeof(ours) == jax.typeof(ref), (jax.typeof(ours), jax.typeof(ref))
+            assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
+
+
+def test_explicit_vmap_over_weights_with_sequence_sharded_activations():
+    """vmap over per-example weights with x [B, S@x, K]: folding S into M is refused by
+    jax under explicit axes; the batching rule leaves that product to XLA's dot."""
+    mm = mesh(AxisType.Explicit)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        x = jax.device_put(_random(jax.random.key(62), (B, M, K)), NamedSharding(mm, P(None, "x")))
+        ws = jax.device_put(_random(jax.random.key(63), (3, K, N)), NamedSharding(mm, P()))
+        ours = jax.jit(jax.vmap(lambda w: jax_hopper.matmul(x, w)))(ws)
+        ref = jax.jit(jax.vmap(lambda w: jnp.matmul(x, w)))(ws)
+        assert jax.typeof(ours) == jax.typeof(ref), (jax.typeof(ours), jax.typeof(ref))
+        assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
+
+
+def test_explicit_empty_contraction_is_zeros_of_the_result_type():
+    """K = 0 on explicit axes: an empty sum (XLA refuses a shard_map of empty operands)."""
+    mm = mesh(AxisType.Explicit)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        a = jax.device_put(jnp.ones((B, M, 0), jnp.float16), NamedSharding(mm, P(None, "x")))
+        b = jax.device_put(jnp.ones((0, N), jnp.float16), NamedSharding(mm, P(None, "y")))
+        bias = jax.device_put(_random(jax.random.key(64), (N,)), NamedSharding(mm, P("y")))
+        ours = jax.jit(jax_hopper.matmul)(a, b)
+        ref = jax.jit(jnp.matmul)(a, b)
+        assert jax.typeof(ours) == jax.typeof(ref) and not np.asarray(ours).any()
+        ours = jax.jit(lambda a, b, c: jax_hopper.dense(a, b, c, activation="gelu_tanh"))(a, b, bias)
+        ref = jax.jit(lambda a, b, c: jax.nn.gelu(a @ b + c))(a, b, bias)
+        assert jax.typeof(ours) == jax.typeof(ref)
+        assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
