@@ -142,17 +142,22 @@ def _folding_drops_explicit_sharding(lhs, rhs, dimension_numbers, keeps_lhs_free
     return False
 
 
-def _residual_changes_result_type(x, w, residual) -> bool:
-    """Under explicit mesh axes, whether a residual is sharded unlike x @ w (leading dims
-    as x, N as w): jnp's `... + residual` then combines the two shardings, while the fused
-    kernel's result type is x @ w's."""
-    spec = None if residual is None else _explicit_spec(residual)
-    if spec is None:
-        return False
+def _epilogue_changes_result_type(x, w, bias, residual) -> bool:
+    """Under explicit mesh axes, whether jnp's `x @ w + bias` / `... + residual` would have
+    another result type than x @ w (leading dims as x, N as w), which is the fused kernel's:
+    an operand sharded where x @ w is not (jnp's sum combines the shardings), or one typed
+    with explicit axes next to an x @ w without them."""
     x_spec, w_spec = _explicit_spec(x), _explicit_spec(w)
-    if x_spec is None or w_spec is None:
-        return True
-    return tuple(x_spec[:-1]) + (w_spec[-1],) != tuple(spec)
+    for v in (bias, residual):
+        spec = None if v is None else _explicit_spec(v)
+        if spec is None:
+            continue
+        if x_spec is None or w_spec is None:
+            return True
+        product = (tuple(x_spec[:-1]) + (w_spec[-1],))[-len(spec):]
+        if any(s is not None and s != p for s, p in zip(spec, product)):
+            return True
+    return False
 
 
 def _problem(plan, lhs, out):
@@ -350,7 +355,7 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
     bias = None if bias is None else jnp.asarray(bias, dtype)
     residual = None if residual is None else jnp.asarray(residual, dtype)
-    if _residual_changes_result_type(x, w, residual):  # (explicit mesh axes) jnp's sum combines the shardings
+    if _epilogue_changes_result_type(x, w, bias, residual):  # (explicit mesh axes) jnp's sum combines the shardings
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     problem = _dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)

@@ -438,6 +438,16 @@ def test_explicit_operand_next_to_one_without_a_mesh():
             ref = jax.jit(lambda w: ref_f(jnp.asarray(x), w))(w)
             assert jax.typeof(ours) == jax.typeof(ref), (jax.typeof(ours), jax.typeof(ref))
             assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
+        # Only the bias (or residual) typed with the mesh: jnp's sum gives the mesh type.
+        w0 = np.asarray(w)
+        bias = jax.device_put(_random(jax.random.key(65), (N,)), NamedSharding(mm, P("y")))
+        r = jax.device_put(_random(jax.random.key(66), (M, N)), NamedSharding(mm, P()))
+        for kw in [dict(bias=bias), dict(residual=r)]:
+            ours = jax.jit(lambda kw: jax_hopper.dense(jnp.asarray(x), jnp.asarray(w0), activation="relu", **kw))(kw)
+            ref = jax.jit(lambda kw: jax.nn.relu(jnp.asarray(x) @ jnp.asarray(w0) + kw.get("bias", 0))
+                          + kw.get("residual", 0))(kw)
+            assert jax.typeof(ours) == jax.typeof(ref), (list(kw), jax.typeof(ours), jax.typeof(ref))
+            assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
 
 
 def test_explicit_vmap_over_weights_with_sequence_sharded_activations():
