@@ -1,12 +1,14 @@
-"""SPMD partitioning of the GEMM custom call through jax's custom_partitioning.
+"""SPMD partitioning of the GEMM custom call.
 
 A custom call is opaque to XLA's partitioner: left alone, a sharded product would be
-gathered onto every device. Each platform's lowering of gemm_p is therefore wrapped in
-custom_partitioning with the rules jnp.dot follows (Shardy rule and GSPMD callbacks):
+gathered onto every device. Each platform's lowering of gemm_p therefore partitions it
+by the rules jnp.dot follows -- through custom_partitioning (Shardy rule and GSPMD
+callbacks) on Auto mesh axes, and on Explicit axes, whose operand types name their
+shardings, through a shard_map planned while lowering (_shard_mapped says why):
 
   batch / M / N sharded      -> each device multiplies its shards; no communication
   (x [..., M, K] @ W: each leading dim of x keeps its own sharding -- a sharded
-  sequence dim included -- and is folded into M on each device)
+  sequence dim included -- and the FFI handler folds them into M on each device)
   K (contracting) sharded    -> each device multiplies its K slice into f32 partial
                                 sums, psum over the K mesh axes, one rounding at the end
                                 (the single-device numerics; jnp.dot reduces 16-bit
