@@ -2,8 +2,9 @@
 # Build, GPU tests and benchmark in one go on a Hopper machine; logs go to $1
 # (default: $OUT, else ./device-out). Extra benchmark arguments come from BENCH_ARGS,
 # extra pytest arguments from PYTEST_ARGS, test paths from TESTS; SANITIZE=1 adds the compute-sanitizer pass,
-# SKIP_TESTS=1 / SKIP_BENCH=1 leave those out. Exits non-zero if a build, smoke test,
-# sanitizer tool or test fails.
+# SKIP_TESTS=1 / SKIP_BENCH=1 leave those out; TEST_TIMEOUT (s, default 900) bounds the
+# tests, each file of which runs in its own process and leaves $LOG/<file>.log. Exits
+# non-zero if a build, smoke test, sanitizer tool or test fails.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${1:-${OUT:-$REPO/device-out}}
@@ -32,14 +33,29 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   bash "$REPO/scripts/sanitize.sh" "$LOG" || rc=1
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  tests=()  # TESTS paths are relative to the repository (this script runs from /tmp)
-  for t in ${TESTS:-tests}; do tests+=("$REPO/$t"); done
-  JAX_HOPPER_REQUIRE_GPU=1 timeout "${TEST_TIMEOUT:-900}" python3 -m pytest "${tests[@]}" -q -ra ${PYTEST_ARGS:-} 2>&1 |
-    tee "$LOG/tests.log" | grep -v -E "^\.|PASSED" | tail -40
-  test_rc=${PIPESTATUS[0]}
-  # A run cut off by the timeout prints no summary: say so, or it reads like a pass.
-  [ "$test_rc" -eq 124 ] && echo "TESTS TIMED OUT after ${TEST_TIMEOUT:-900} s: tests.log ends where they were killed"
-  [ "$test_rc" -eq 0 ] || rc=1
+  # One pytest process per test file: a crash in XLA (an abort) then loses one file, not
+  # the whole run's summary. --capture=sys leaves C++ stderr (XLA's fatal messages)
+  # uncaptured, so it reaches the log. TEST_TIMEOUT bounds all files together.
+  files=()  # TESTS paths are relative to the repository (this script runs from /tmp)
+  for t in ${TESTS:-tests}; do
+    if [ -d "$REPO/$t" ]; then files+=("$REPO/$t"/test_*.py); else files+=("$REPO/$t"); fi
+  done
+  deadline=$(($(date +%s) + ${TEST_TIMEOUT:-900}))
+  for f in "${files[@]}"; do
+    name=$(basename "$f" .py)
+    left=$((deadline - $(date +%s)))
+    if [ "$left" -le 0 ]; then echo "$name: NOT RUN (TEST_TIMEOUT reached)"; rc=1; continue; fi
+    JAX_HOPPER_REQUIRE_GPU=1 timeout "$left" python3 -m pytest "$f" -q -ra --capture=sys ${PYTEST_ARGS:-} \
+      >"$LOG/$name.log" 2>&1
+    test_rc=$?
+    summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)" "$LOG/$name.log" | tail -1)
+    case $test_rc in
+      0 | 5) echo "$name: $summary" ;;  # 5: every test deselected by PYTEST_ARGS
+      124) echo "$name: TIMED OUT (the log ends where it was killed)"; rc=1 ;;
+      1) echo "$name: $summary"; grep -E "^(FAILED|ERROR)" "$LOG/$name.log"; rc=1 ;;
+      *) echo "$name: CRASHED (exit $test_rc)"; grep -E "Check failed|Fatal|Segmentation|Aborted" "$LOG/$name.log" | head -5; rc=1 ;;
+    esac
+  done
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 900 python3 -m jax_hopper.bench ${BENCH_ARGS:-} --json "$LOG/bench.json" 2>"$LOG/bench.err" |
