@@ -33,7 +33,7 @@ from jax_hopper import _dispatch
 from jax_hopper._fallback import ACTIVATION_FNS, dense_like_jnp, gemm_reference
 from jax_hopper._fused import dense_p, fused_dense
 from jax_hopper._primitive import gemm, gemm_p
-from jax_hopper._sharding import is_explicit, padded_spec
+from jax_hopper._sharding import is_explicit, merge_drops_explicit_sharding, padded_spec
 
 
 def _as_operand_type(ct, dtype):
@@ -96,8 +96,7 @@ def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, sta
 def _inner_dims_explicitly_sharded(x) -> bool:
     """Whether explicit mesh axes shard a dim of x [L0, ..., R, P] past L0 and before P,
     which folding to [L0 * ... * R, P] cannot keep (jax refuses that reshape)."""
-    sharding = _sharding_of(x)
-    return is_explicit(sharding) and any(s is not None for s in padded_spec(sharding, x.ndim)[1:-1])
+    return merge_drops_explicit_sharding(_aval(x), 0, x.ndim - 2)
 
 
 def _contracting_leading_dims(x, y, *, like):

@@ -21,7 +21,7 @@ from jax_hopper import _dispatch
 from jax_hopper._fallback import dense_reference
 from jax_hopper._fused import dense_p
 from jax_hopper._primitive import SMALL_M_KERNEL, gemm_p, stages_of
-from jax_hopper._sharding import explicit_spec
+from jax_hopper._sharding import merge_drops_explicit_sharding
 
 NOT_MAPPED = None
 
@@ -60,7 +60,7 @@ def _batch_rule(args, dims, **params):
     a_rank = a.ndim - (da is not NOT_MAPPED)
     a, b = _to_front(a, da, size), _to_front(b, db, size)
     if a_rank > b_rank:  # A's leading dims against a batched B: fold them into M first
-        if any(explicit_spec(jax.typeof(a))[2:-1]):
+        if merge_drops_explicit_sharding(jax.typeof(a), 1, a.ndim - 2):
             # ...unless the fold would merge a dim sharded on explicit mesh axes into the
             # one before it (x [B, S@x, K] against per-example weights), which jax refuses:
             # then XLA's dot, batched over the vmapped axis.

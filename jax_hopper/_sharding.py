@@ -162,6 +162,13 @@ def explicit_mesh(*avals):
     return None
 
 
+def merge_drops_explicit_sharding(aval, first: int, last: int) -> bool:
+    """Whether merging dims first..last (inclusive) of `aval` into one would drop a
+    sharding on explicit mesh axes: one of them past `first` is sharded (jax refuses
+    that reshape)."""
+    return any(explicit_spec(aval)[first + 1:last + 1])
+
+
 def explicit_spec(aval) -> tuple:
     """An aval's spec per dimension under explicit axes; all None (replicated) for one
     without them."""
@@ -217,20 +224,16 @@ def _shard_mapped(per_device, arg_shardings, out_sharding, result_sharding, *arg
     return jax.sharding.reshard(out, result_sharding)
 
 
-def _mnk_out(a_shape, b_shape, transpose_a, transpose_b):
-    """(M, N) of the primitive's operands."""
-    return (a_shape[-1] if transpose_a else a_shape[-2]), (b_shape[-2] if transpose_b else b_shape[-1])
-
-
 def _explicit(local_impl):
     """The lowering of gemm_p for operands typed with explicit mesh axes (_shard_mapped)."""
     def impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
+        from jax_hopper._primitive import _mnk
+
         types = (jax.typeof(a), jax.typeof(b))
         result = output_sharding(*types, transpose_a, transpose_b)
-        k = a.shape[-2] if transpose_a else a.shape[-1]
+        m, n, k, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
         if k == 0:  # an empty sum (XLA refuses a shard_map whose operands are all empty)
-            return jnp.zeros(a.shape[:-2] + tuple(_mnk_out(a.shape, b.shape, transpose_a, transpose_b)), out_dtype,
-                             out_sharding=result)
+            return jnp.zeros(a.shape[:-2] + (m, n), out_dtype, out_sharding=result)
         plan, shardings = _operand_shardings(explicit_mesh(*types), types, transpose_a, transpose_b)
         per_device = _per_device_product(local_impl, plan.k, out_dtype, transpose_a=transpose_a,
                                          transpose_b=transpose_b, kernel=kernel, stages=stages)
