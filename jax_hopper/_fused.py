@@ -87,8 +87,8 @@ def _eager_impl(*args, **params):
 dense_p.def_impl(_eager_impl)
 dense_p.def_abstract_eval(_abstract_eval)
 # Partitioned like gemm_p when the program spans devices (_sharding.py).
-mlir.register_lowering(dense_p, dense_lowering(_default_impl))
-mlir.register_lowering(dense_p, dense_lowering(_cuda_impl), platform="cuda")
+mlir.register_lowering(dense_p, dense_lowering(_default_impl, _default_impl))
+mlir.register_lowering(dense_p, dense_lowering(_cuda_impl, _default_impl), platform="cuda")
 require_devices_at_lowering(dense_p)
 
 

@@ -154,10 +154,11 @@ def _eager_impl(a, b, **params):
 
 gemm_p.def_impl(_eager_impl)
 gemm_p.def_abstract_eval(_abstract_eval)
-# Both lowerings go through custom_partitioning, so sharded products are partitioned as
-# jnp.dot's would be (see _sharding.py); unsharded ones lower to the local product.
-mlir.register_lowering(gemm_p, sharded_lowering(_default_impl))
-mlir.register_lowering(gemm_p, sharded_lowering(_cuda_impl), platform="cuda")
+# Both lowerings are partitioned as jnp.dot's would be (see _sharding.py); unsharded
+# products lower to the local product. The second argument is XLA's dot, for partly
+# manual shard_map bodies.
+mlir.register_lowering(gemm_p, sharded_lowering(_default_impl, _default_impl))
+mlir.register_lowering(gemm_p, sharded_lowering(_cuda_impl, _default_impl), platform="cuda")
 
 
 def require_devices_at_lowering(primitive) -> None:

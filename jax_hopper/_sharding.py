@@ -16,7 +16,8 @@ shardings, through a shard_map planned while lowering (_shard_mapped says why):
   one mesh axis on two roles -> the later role (N after M, K after both) is replicated
 
 Single-device programs and fully manual contexts (shard_map) inline the local product,
-so they lower exactly as without this wrapper.
+so they lower exactly as without this wrapper. A shard_map body manual over only some
+mesh axes lowers XLA's dot instead (_partly_manual says why).
 """
 
 from __future__ import annotations
@@ -265,35 +266,58 @@ def _explicit_operands(ctx) -> bool:
     return any(is_explicit(s) and not any("Manual" in str(t) for t in s.mesh.axis_types) for s in shardings)
 
 
+def _free_axes(axis_context):
+    """The mesh axes a shard_map body leaves to the compiler that span devices."""
+    mesh = axis_context.mesh
+    manual = set(getattr(axis_context, "manual_axes", ()))
+    return [name for name in mesh.axis_names if name not in manual and mesh.shape[name] > 1]
+
+
 def _spans_devices(ctx) -> bool:
     """Whether this lowering is for a program XLA will partition over several devices
     (custom_partitioning needs real devices; a single device, a cross-platform lowering
-    with no devices, or a fully manual shard_map body lower the local product directly)."""
+    with no devices, or a shard_map body manual over every axis that spans devices lower
+    the local product directly)."""
     axis_context = getattr(ctx.module_context, "axis_context", None)
     devices = getattr(axis_context, "device_assignment", None)
     if devices is not None:
         return len(devices) > 1
-    mesh = getattr(axis_context, "mesh", None)
-    if mesh is not None:
-        return set(getattr(axis_context, "manual_axes", ())) != set(mesh.axis_names)
+    if getattr(axis_context, "mesh", None) is not None:
+        return bool(_free_axes(axis_context))
     return False
 
 
-def lowering(local_impl):
+def _partly_manual(ctx) -> bool:
+    """Inside a shard_map manual over some mesh axes, with others left to the compiler.
+    XLA does not call custom_partitioning's callbacks there (jax 0.10): it gathers the
+    custom call's operands over the free axes, and every device computes the whole
+    product (measured: a column-parallel product gathered B, a K-split gathered both)."""
+    axis_context = getattr(ctx.module_context, "axis_context", None)
+    return bool(getattr(axis_context, "manual_axes", ())) and getattr(axis_context, "mesh", None) is not None
+
+
+def lowering(local_impl, xla_impl):
     """A lowering rule for gemm_p computing local_impl(a, b, **params) on one device and
-    partitioned by the rules above when the program spans several."""
-    return _local_or_partitioned(local_impl, partitioned(local_impl), _explicit(local_impl))
+    partitioned by the rules above when the program spans several. xla_impl (XLA's dot,
+    which XLA partitions itself) serves a partly manual shard_map body (_partly_manual)."""
+    return _local_or_partitioned(local_impl, partitioned(local_impl), _explicit(local_impl), xla_impl)
 
 
-def _local_or_partitioned(local_impl, partitioned_impl, explicit_impl):
+def _local_or_partitioned(local_impl, partitioned_impl, explicit_impl, xla_impl):
     direct = mlir.lower_fun(local_impl, multiple_results=False)
     sharded = mlir.lower_fun(partitioned_impl, multiple_results=False)
     explicit = mlir.lower_fun(explicit_impl, multiple_results=False)
+    by_xla = mlir.lower_fun(xla_impl, multiple_results=False)
 
     def rule(ctx, *args, **params):
         if not _spans_devices(ctx):
             return direct(ctx, *args, **params)
-        return (explicit if _explicit_operands(ctx) else sharded)(ctx, *args, **params)
+        if _explicit_operands(ctx):
+            return explicit(ctx, *args, **params)
+        # Partly manual: the operands' shardings over the free axes are unknown here and
+        # custom_partitioning would not be consulted, so XLA's own dot, partitioned like
+        # jnp.dot's, is the only way not to gather (our kernel does not run there).
+        return (by_xla if _partly_manual(ctx) else sharded)(ctx, *args, **params)
 
     return rule
 
@@ -390,7 +414,7 @@ def _dense_sharding_rule(activation, has_bias, has_residual, mesh, value_types, 
     return f"{lead}m k, k n, {bias}, {residual} -> {lead}m n", {"reduction_factors": ("k",)}
 
 
-def dense_lowering(local_impl):
+def dense_lowering(local_impl, xla_impl):
     """lowering() for the fused dense primitive: local_impl(x, w, bias, residual,
     **params) on one device, partitioned by the rules above on several."""
     @functools.partial(custom_partitioning, static_argnums=(4, 5, 6))
@@ -402,4 +426,4 @@ def dense_lowering(local_impl):
     def impl(x, w, bias, residual, *, activation, has_bias, has_residual):
         return call(x, w, bias, residual, activation, has_bias, has_residual)
 
-    return _local_or_partitioned(local_impl, impl, _dense_explicit(local_impl))
+    return _local_or_partitioned(local_impl, impl, _dense_explicit(local_impl), xla_impl)

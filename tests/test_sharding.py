@@ -144,6 +144,39 @@ def test_inside_shard_map_with_replicated_weights_and_grad():
     assert relative_error(dw1, dw2.astype(jnp.float32)) < 1e-2
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("layer", ["matmul", "dense"])
+def test_partly_manual_shard_map_partitions_the_free_axis_like_jnp(axis_type, layer):
+    """A shard_map manual over "x" only (pipeline stages, say) with "y" left to the
+    compiler: custom_partitioning is not consulted there, and our custom call had its
+    operands gathered over "y" (a column-parallel W gathered whole, a K split gathered on
+    both operands) where jnp.dot communicates nothing or one all-reduce."""
+    mm = mesh(axis_type)
+    x = _random(jax.random.key(40), (B, M, K))
+    w = _random(jax.random.key(41), (K, N)) / 8
+    ours_fn = {"matmul": jax_hopper.matmul, "dense": lambda x, w: jax_hopper.dense(x, w, activation="gelu_tanh")}[layer]
+    jnp_fn = {"matmul": jnp.matmul, "dense": lambda x, w: jax.nn.gelu(x @ w)}[layer]
+    # Column-parallel always; a K split on Auto axes only (explicit axes make jnp itself
+    # refuse a contraction over a sharded dim without an out_sharding).
+    cases = [(P(None, None, None), P(None, "y"))]
+    if axis_type == AxisType.Auto:
+        cases.append((P(None, None, "y"), P("y", None)))
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        for sx, sw in cases:
+            xs = jax.device_put(x, NamedSharding(mm, sx))
+            ws = jax.device_put(w, NamedSharding(mm, sw))
+            stage = lambda fn: jax.jit(jax.shard_map(  # noqa: E731
+                fn, mesh=mm, in_specs=(P(), P()), out_specs=P(), axis_names={"x"}))
+            ours_stage, jnp_stage = stage(ours_fn), stage(jnp_fn)
+            ours, ref = ours_stage(xs, ws), jnp_stage(xs, ws)
+            want = jnp_fn(x.astype(jnp.float32), w.astype(jnp.float32))
+            assert relative_error(ours, want) < 1e-2, (sx, sw)
+            assert relative_error(ref, want) < 1e-2, (sx, sw)
+            got = _collectives(ours_stage.lower(xs, ws).compile().as_text())
+            expected = _collectives(jnp_stage.lower(xs, ws).compile().as_text())
+            assert got == expected, (sx, sw, got, expected)
+
+
 def test_explicit_axis_types_behave_like_jnp():
     mm = mesh(AxisType.Explicit)
     a = _random(jax.random.key(6), (M, K))
