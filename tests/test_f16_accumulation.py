@@ -146,20 +146,66 @@ def test_fallback_answers_with_f32_sums():
 
 # ---- answers (Hopper GPU) --------------------------------------------------------------
 
+def _canonical(a, b, dims):
+    """a as [..., M, K] and b as [..., K, N] (batch dims, if any, lead in both)."""
+    (ca, cb), (ba, _) = dims
+    if not ba and ca[0] == 0:
+        a = a.T
+    if not ba and cb[0] == 1:
+        b = b.T
+    return a, b
+
+
+@jax.jit
+def _emulate_steps(a, b):
+    """Scan over K in steps of MMA_K: the exact f32 sum, the f16-accumulated one and the
+    sum over steps of |exact partial sum| (a zero-padded last step adds the same as a
+    shorter one)."""
+    k = a.shape[-1]
+    steps = -(-k // MMA_K)
+    pad = steps * MMA_K - k
+    a = jnp.pad(a.astype(jnp.float32), [(0, 0)] * (a.ndim - 1) + [(0, pad)])
+    b = jnp.pad(b.astype(jnp.float32), [(0, 0)] * (b.ndim - 2) + [(0, pad), (0, 0)])
+    a_steps = jnp.moveaxis(a.reshape(a.shape[:-1] + (steps, MMA_K)), -2, 0)  # [S, ..., M, 16]
+    b_steps = jnp.moveaxis(b.reshape(b.shape[:-2] + (steps, MMA_K, b.shape[-1])), -3, 0)  # [S, ..., 16, N]
+    out_shape = a.shape[:-1] + (b.shape[-1],)
+
+    def step(carry, ab):
+        exact, emulated, total = carry
+        partial = jnp.matmul(ab[0], ab[1], precision="highest")
+        exact = exact + partial
+        emulated = (emulated.astype(jnp.float32) + partial).astype(jnp.float16)
+        return (exact, emulated, total + jnp.abs(exact)), None
+
+    zeros = jnp.zeros(out_shape, jnp.float32)
+    (_, emulated, total), _ = jax.lax.scan(step, (zeros, zeros.astype(jnp.float16), zeros), (a_steps, b_steps))
+    return emulated, total
+
+
 def _f16_accumulation_model(a, b, dims):
     """(emulated f16-accumulated C, per-element bound 2^-10 * sum_steps |partial sum|)."""
-    (ca, cb), _ = dims
-    k = a.shape[ca[0]]
-    a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
-    exact = emulated = total = None
-    for k0 in range(0, k, MMA_K):
-        a_step = jax.lax.slice_in_dim(a32, k0, min(k0 + MMA_K, k), axis=ca[0])
-        b_step = jax.lax.slice_in_dim(b32, k0, min(k0 + MMA_K, k), axis=cb[0])
-        step = jax.lax.dot_general(a_step, b_step, dims, precision="highest")
-        exact = step if exact is None else exact + step
-        total = jnp.abs(exact) if total is None else total + jnp.abs(exact)
-        emulated = (step if emulated is None else emulated.astype(jnp.float32) + step).astype(jnp.float16)
+    emulated, total = _emulate_steps(*_canonical(a, b, dims))
     return emulated, F16_UNIT_ROUNDOFF_ANY_ROUNDING * total
+
+
+@pytest.mark.parametrize("layout", ["NN", "TT"])
+def test_the_f16_accumulation_model_itself(layout):
+    # The model the GPU tests hold the kernel to, against a direct numpy rendering of
+    # its definition: K = 40 is two full wgmma steps and a partial one.
+    m, n, k = 5, 7, 40
+    shapes, dims = LAYOUTS[layout]
+    a, b = _inputs(*shapes(m, n, k), k, seed=3)
+    a_mk = np.asarray(a, np.float64).T if layout == "TT" else np.asarray(a, np.float64)
+    b_kn = np.asarray(b, np.float64).T if layout == "TT" else np.asarray(b, np.float64)
+    emulated, bound = _f16_accumulation_model(a, b, dims)
+    acc, exact, total = np.zeros((m, n), np.float16), np.zeros((m, n)), np.zeros((m, n))
+    for k0 in range(0, k, MMA_K):
+        partial = a_mk[:, k0:k0 + MMA_K] @ b_kn[k0:k0 + MMA_K]
+        acc = (acc.astype(np.float64) + partial).astype(np.float16)
+        exact += partial
+        total += np.abs(exact)
+    np.testing.assert_array_equal(np.asarray(emulated), acc)
+    np.testing.assert_allclose(np.asarray(bound), F16_UNIT_ROUNDOFF_ANY_ROUNDING * total, rtol=1e-6)
 
 
 def _check_f16_accumulated(out, a, b, dims):
