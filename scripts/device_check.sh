@@ -3,8 +3,11 @@
 # (default: $OUT, else ./device-out). Extra benchmark arguments come from BENCH_ARGS,
 # extra pytest arguments from PYTEST_ARGS, test paths from TESTS; SANITIZE=1 adds the compute-sanitizer pass,
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those out; TEST_TIMEOUT (s, default 900) bounds the
-# tests, each file of which runs in its own process and leaves $LOG/<file>.log. Exits
-# non-zero if a build, smoke test, sanitizer tool or test fails.
+# tests, each file of which runs in its own process and leaves $LOG/<file>.log (with its
+# 10 slowest tests); TEST_XLA_FLAGS become XLA_FLAGS for the tests only (e.g.
+# --xla_gpu_autotune_level=0: the jnp references then skip XLA's GEMM autotuning, which
+# is compile time, not correctness; never for the benchmark). Exits non-zero if a build,
+# smoke test, sanitizer tool or test fails.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${1:-${OUT:-$REPO/device-out}}
@@ -45,8 +48,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     name=$(basename "$f" .py)
     left=$((deadline - $(date +%s)))
     if [ "$left" -le 0 ]; then echo "$name: NOT RUN (TEST_TIMEOUT reached)"; rc=1; continue; fi
-    JAX_HOPPER_REQUIRE_GPU=1 timeout "$left" python3 -m pytest "$f" -q -ra --capture=sys ${PYTEST_ARGS:-} \
-      >"$LOG/$name.log" 2>&1
+    XLA_FLAGS="${TEST_XLA_FLAGS:-${XLA_FLAGS:-}}" JAX_HOPPER_REQUIRE_GPU=1 timeout "$left" \
+      python3 -m pytest "$f" -q -ra --durations=10 --capture=sys ${PYTEST_ARGS:-} >"$LOG/$name.log" 2>&1
     test_rc=$?
     summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)" "$LOG/$name.log" | tail -1)
     case $test_rc in
