@@ -175,6 +175,11 @@ def test_partly_manual_shard_map_partitions_the_free_axis_like_jnp(axis_type, la
             got = _collectives(ours_stage.lower(xs, ws).compile().as_text())
             expected = _collectives(jnp_stage.lower(xs, ws).compile().as_text())
             assert got == expected, (sx, sw, got, expected)
+            # The derivative's products lower the same way (and their sums agree).
+            loss = lambda stage: jax.jit(jax.grad(  # noqa: E731
+                lambda x, w: jnp.sum(stage(x, w).astype(jnp.float32) ** 2), argnums=(0, 1)))
+            for g_ours, g_ref in zip(loss(ours_stage)(xs, ws), loss(jnp_stage)(xs, ws)):
+                assert relative_error(g_ours, g_ref.astype(jnp.float32)) < 1e-2, (sx, sw)
 
 
 def test_explicit_axis_types_behave_like_jnp():
