@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -260,10 +260,10 @@ def _sharding_rule(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, va
 
 
 def _explicit_operands(ctx) -> bool:
-    """Operands typed with explicit mesh axes, outside any shard_map (a partly manual
-    mesh keeps custom_partitioning)."""
+    """Operands typed with explicit mesh axes, outside any shard_map (inside a partly
+    manual one, _partly_manual decides)."""
     shardings = [getattr(aval, "sharding", None) for aval in ctx.avals_in]
-    return any(is_explicit(s) and not any("Manual" in str(t) for t in s.mesh.axis_types) for s in shardings)
+    return any(is_explicit(s) and AxisType.Manual not in s.mesh.axis_types for s in shardings)
 
 
 def _free_axes(axis_context):
