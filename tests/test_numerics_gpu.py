@@ -74,7 +74,8 @@ def test_output_is_written_into_the_poisoned_buffer(hopper):
 SELECTABLE = [("v5", 2, jnp.float16), ("v5", 3, jnp.float16), ("v5", 4, jnp.float16), ("v5", 4, jnp.bfloat16),
               ("persistent_basic", 4, jnp.float16), ("persistent_tma", 4, jnp.float16),
               ("persistent_wait0", 4, jnp.float16), ("persistent_streamk", 4, jnp.float16),
-              ("small_m", 5, jnp.float16), ("small_m", 5, jnp.bfloat16)]
+              ("small_m", 5, jnp.float16), ("small_m", 5, jnp.bfloat16),
+              ("persistent_pingpong", 6, jnp.float16)]  # experimental
 
 
 @pytest.mark.parametrize("kernel,stages,dtype", SELECTABLE, ids=lambda x: getattr(x, "__name__", str(x)))

@@ -67,7 +67,7 @@ Status encode_output(CUtensorMap* map, const GemmArgs& args, bool* usable) {
   d.row_stride = static_cast<uint64_t>(args.ldc);
   d.batch_stride = static_cast<uint64_t>(args.batch_stride_c);
   d.box_inner = Cfg::kStoreRowBytes / c_bytes;
-  d.box_outer = Cfg::kWarpgroupM;
+  d.box_outer = Cfg::kStoreRows;
   d.element_bytes = c_bytes;
   return hopper::encode_tensor_map_3d(map, d);
 }
