@@ -92,6 +92,23 @@ def test_selectable_kernels_are_correct(hopper, kernel, stages, dtype, shape):
     assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.dot(a, b), ref)
 
 
+@pytest.mark.parametrize("shape", [(8192, 8192, 64), (4160, 4096, 256), (4096, 4096, 4096)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_pingpong_turns_with_one_k_tile_and_tiles_past_m(hopper, shape):
+    # The experimental ping-pong kind hands the tensor cores from one warpgroup to the
+    # other per tile: one K tile per unit (no wgmma wait to keep a warpgroup's warps
+    # together), and an odd number of 128-row tiles (the last cluster's second CTA has
+    # its units past M, passed through without MMAs) amid many units per CTA.
+    from jax_hopper._primitive import gemm
+
+    m, n, k = shape
+    a, b = _inputs(m, n, k, jnp.float16, seed=11)
+    out, _ = run_into_poison(lambda x, y: gemm(x, y, kernel="persistent_pingpong"), (m, n), jnp.float16, a, b)
+    assert not bool(jnp.isnan(out).any())
+    ref = f32_reference(a, b)
+    assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.dot(a, b), ref)
+
+
 def test_compiled_hlo_runs_our_kernel_not_cublas(hopper):
     a, b = _inputs(512, 512, 512, jnp.float16, seed=2)
     hlo = jax.jit(jax_hopper.matmul).lower(a, b).compile().as_text()

@@ -155,7 +155,7 @@ template <class Cfg>
 struct FusedStorage<Cfg, false> {};
 
 // Ping-pong: turn[w] completes a phase each time the other warpgroup has waited for all
-// of its tile's stages (one elected arrival), which warpgroup w awaits before its own
+// of its tile's stages (all its threads arrive), which warpgroup w awaits before its own
 // next tile. Besides serializing the two mainloops, this keeps a warpgroup from waiting
 // on a stage more than one ring lap ahead of the producer, where the phase parity would
 // be ambiguous.

@@ -40,7 +40,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const typename Main::Pipe pipe{smem.full, smem.empty};
   if (threadIdx.x == 0) {
     if constexpr (Cfg::kPingpong)
-      for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) hopper::mbarrier_init(&smem.turns.turn[w], 1);
+      for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w)
+        hopper::mbarrier_init(&smem.turns.turn[w], hopper::kWarpgroupSize);
     pipe.init(Cfg::kStageReaders * Cfg::kClusterM);  // its fence covers the turn barriers too
   }
   // Peers signal this CTA's barriers: they must all be initialised cluster-wide first.
@@ -72,10 +73,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     WorkCursor<Cfg::kStreamK> cursor(work, cluster);
     int64_t unit_index = 0;  // this CTA's units so far (ping-pong: whose turn it is)
     int64_t own_units = 0;   // ping-pong: this warpgroup's units so far
-    // Ping-pong: the other warpgroup may start its next mainloop (elected arrival).
+    // Ping-pong: the other warpgroup may start its next mainloop. Every thread arrives
+    // (not one elected): a phase then also proves that each of this warpgroup's warps
+    // passed its own turn wait, so no warp can fall two phases behind (K <= 64 or a
+    // unit past M has no wgmma to keep the warps together).
     const auto hand_over = [&] {
-      if constexpr (Cfg::kPingpong)
-        if (hopper::thread_in_warpgroup() == 0) hopper::mbarrier_arrive(&smem.turns.turn[1 - warpgroup]);
+      if constexpr (Cfg::kPingpong) hopper::mbarrier_arrive(&smem.turns.turn[1 - warpgroup]);
     };
     for (WorkUnit unit; cursor.next(unit); ++unit_index) {
       const int k_tiles = unit.k_end - unit.k_begin;
@@ -102,7 +105,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // MMAs, no stores. A stream-K finisher and its contributors share a tile, CTA rank
       // and warpgroup, so they skip together (nothing is published or awaited).
       if (row0 >= out.m) {
-        Main::pass(pipe, k_tiles, read);
+        Main::pass(pipe, k_tiles, read, Cfg::kFirstEpilogueBarrier + warpgroup);
         hand_over();
         continue;
       }

@@ -50,7 +50,7 @@ Status encode_operand(CUtensorMap* map, const void* ptr, int64_t mn, int64_t k, 
 }
 
 // Output tensor map for the TMA-store epilogue: boxes one 128-byte swizzle row wide by
-// one warpgroup's rows. False (and no map) when C's layout is not one TMA can address
+// one wgmma row block (64 rows). False (and no map) when C's layout is not one TMA can address
 // (16-byte aligned base and row/batch strides); the kernel then stores from registers.
 template <class Cfg>
 Status encode_output(CUtensorMap* map, const GemmArgs& args, bool* usable) {

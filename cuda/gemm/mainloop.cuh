@@ -115,10 +115,14 @@ struct Mainloop {
   // A warpgroup with no rows inside M in this tile keeps the ring's protocol -- waits
   // for each of its K tiles' stages and releases it at once (no wgmma reads it) -- and
   // computes nothing, so the SM's tensor cores serve the other warpgroup alone.
-  __device__ static void pass(const Pipe& pipe, int k_tiles, State& read) {
+  // `barrier` (a named barrier of this warpgroup alone) holds the release until every
+  // warp has waited: with no wgmma to keep the warps together, a lagging warp could
+  // otherwise find the stage refilled and its barrier two phases on.
+  __device__ static void pass(const Pipe& pipe, int k_tiles, State& read, uint32_t barrier) {
     const bool elected = hopper::thread_in_warpgroup() == 0;
     for (int kt = 0; kt < k_tiles; ++kt) {
       pipe.consumer_wait(read);
+      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
       if (elected) pipe.consumer_release(read);
       read.advance();
     }
