@@ -93,14 +93,8 @@ struct Mainloop {
 #pragma unroll
       for (int mb = 0; mb < Cfg::kMmaBlocksM; ++mb) {
         const uint64_t desc_a = LayoutA::template descriptor<Cfg::kMmaK>(stage.a, a_slice + mb, kk);
-        if constexpr (Cfg::kBlockN == 256) {
-          hopper::wgmma_m64n256k16<Element, LayoutA::kTranspose, LayoutB::kTranspose>(block(acc, mb), desc_a, desc_b,
-                                                                                      scale_d);
-        } else {
-          static_assert(Cfg::kBlockN == 128, "wgmma wrappers exist for N = 256 and 128");
-          hopper::wgmma_m64n128k16<Element, LayoutA::kTranspose, LayoutB::kTranspose>(block(acc, mb), desc_a, desc_b,
-                                                                                      scale_d);
-        }
+        hopper::wgmma_m64nNk16<Element, LayoutA::kTranspose, LayoutB::kTranspose, Cfg::kBlockN>(
+            block(acc, mb), desc_a, desc_b, scale_d);
       }
     }
   }

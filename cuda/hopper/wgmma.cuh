@@ -76,18 +76,6 @@ __device__ __forceinline__ void wgmma_wait_group() {
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])                                                         \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB))
 
-template <class Element, int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                 int scale_d) {
-  static_assert(std::is_same_v<Element, __half> || std::is_same_v<Element, __nv_bfloat16>);
-  if constexpr (std::is_same_v<Element, __half>) {
-    JAX_HOPPER_WGMMA_M64N256K16("f16");
-  } else {
-    JAX_HOPPER_WGMMA_M64N256K16("bf16");
-  }
-}
-
-#undef JAX_HOPPER_WGMMA_M64N256K16
 
 // D[64x128] (+)= A[64x16] * B[16x128], f32 accumulate (the ping-pong kind's tiles are
 // two of these row blocks). Same operands and immediates as the n256 form.
@@ -115,24 +103,38 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])\
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB))
 
-template <class Element, int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+// D[64xN] (+)= A[64x16] * B[16xN] with an f32 accumulator of N / 2 registers per thread,
+// for the widths the kernels use (N = 256; 128 in the ping-pong kind).
+template <class Element, int kTransA, int kTransB, int kN>
+__device__ __forceinline__ void wgmma_m64nNk16(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   static_assert(std::is_same_v<Element, __half> || std::is_same_v<Element, __nv_bfloat16>);
-  if constexpr (std::is_same_v<Element, __half>) {
-    JAX_HOPPER_WGMMA_M64N128K16("f16");
+  static_assert(kN == 256 || kN == 128, "wgmma wrappers exist for N = 256 and 128");
+  constexpr bool kF16 = std::is_same_v<Element, __half>;
+  if constexpr (kN == 256) {
+    if constexpr (kF16) {
+      JAX_HOPPER_WGMMA_M64N256K16("f16");
+    } else {
+      JAX_HOPPER_WGMMA_M64N256K16("bf16");
+    }
   } else {
-    JAX_HOPPER_WGMMA_M64N128K16("bf16");
+    if constexpr (kF16) {
+      JAX_HOPPER_WGMMA_M64N128K16("f16");
+    } else {
+      JAX_HOPPER_WGMMA_M64N128K16("bf16");
+    }
   }
 }
 
+#undef JAX_HOPPER_WGMMA_M64N256K16
 #undef JAX_HOPPER_WGMMA_M64N128K16
 
 // D[64x256] (+)= A[64x16] * B[16x256] accumulated in f16: each register holds two
 // adjacent accumulator elements (f16x2) in the f32 layout's order, so the fragment is
 // half the size. f16 operands only (the instruction has no bf16 accumulator).
-template <class Element, int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n256k16(uint32_t (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+template <class Element, int kTransA, int kTransB, int kN>
+__device__ __forceinline__ void wgmma_m64nNk16(uint32_t (&d)[kN / 4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   static_assert(std::is_same_v<Element, __half>, "f16 accumulation takes f16 operands");
+  static_assert(kN == 256, "the f16-accumulating kind's tiles are 256 wide");
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
