@@ -37,14 +37,14 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # 5 is the fused kind, reached through jax_hopper.dense only. "small_m" is for decode-
 # sized M (64-row tiles, no cluster, K split over every SM; f16/bf16, jnp.dot's layout).
 KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3, "persistent_wait0": 4,
-           "persistent_streamk": 6, "persistent_f16acc": 7, "small_m": 8}
+           "persistent_streamk": 6, "persistent_f16acc": 7, "small_m": 8, "persistent_pingpong": 9}
 DEFAULT_KERNEL = "persistent"
 F16_ACCUMULATION_KERNEL = "persistent_f16acc"
 SMALL_M_KERNEL = "small_m"
 DEFAULT_STAGES = 4
 # Kinds compiled with another ring depth (instances.def): 64 KB stages leave room for 3,
-# the small-M kind's 40 KB ones for 5.
-KERNEL_STAGES = {F16_ACCUMULATION_KERNEL: 3, SMALL_M_KERNEL: 5}
+# the small-M kind's 40 KB ones for 5, the (experimental) ping-pong kind's 32 KB ones for 6.
+KERNEL_STAGES = {F16_ACCUMULATION_KERNEL: 3, SMALL_M_KERNEL: 5, "persistent_pingpong": 6}
 
 
 def stages_of(kernel: str) -> int:

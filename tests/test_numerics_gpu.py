@@ -74,7 +74,8 @@ def test_output_is_written_into_the_poisoned_buffer(hopper):
 SELECTABLE = [("v5", 2, jnp.float16), ("v5", 3, jnp.float16), ("v5", 4, jnp.float16), ("v5", 4, jnp.bfloat16),
               ("persistent_basic", 4, jnp.float16), ("persistent_tma", 4, jnp.float16),
               ("persistent_wait0", 4, jnp.float16), ("persistent_streamk", 4, jnp.float16),
-              ("small_m", 5, jnp.float16), ("small_m", 5, jnp.bfloat16)]
+              ("small_m", 5, jnp.float16), ("small_m", 5, jnp.bfloat16),
+              ("persistent_pingpong", 6, jnp.float16)]  # experimental
 
 
 @pytest.mark.parametrize("kernel,stages,dtype", SELECTABLE, ids=lambda x: getattr(x, "__name__", str(x)))
@@ -86,6 +87,23 @@ def test_selectable_kernels_are_correct(hopper, kernel, stages, dtype, shape):
     m, n, k = shape
     a, b = _inputs(m, n, k, dtype, seed=stages)
     out, _ = run_into_poison(lambda x, y: gemm(x, y, kernel=kernel, stages=stages), (m, n), dtype, a, b)
+    assert not bool(jnp.isnan(out).any())
+    ref = f32_reference(a, b)
+    assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.dot(a, b), ref)
+
+
+@pytest.mark.parametrize("shape", [(8192, 8192, 64), (4160, 4096, 256), (4096, 4096, 4096)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_pingpong_turns_with_one_k_tile_and_tiles_past_m(hopper, shape):
+    # The experimental ping-pong kind hands the tensor cores from one warpgroup to the
+    # other per tile: one K tile per unit (no wgmma wait to keep a warpgroup's warps
+    # together), and an odd number of 128-row tiles (the last cluster's second CTA has
+    # its units past M, passed through without MMAs) amid many units per CTA.
+    from jax_hopper._primitive import gemm
+
+    m, n, k = shape
+    a, b = _inputs(m, n, k, jnp.float16, seed=11)
+    out, _ = run_into_poison(lambda x, y: gemm(x, y, kernel="persistent_pingpong"), (m, n), jnp.float16, a, b)
     assert not bool(jnp.isnan(out).any())
     ref = f32_reference(a, b)
     assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.dot(a, b), ref)

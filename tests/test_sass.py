@@ -78,9 +78,12 @@ KIND_EXTRAS = {
     6: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_streamk (stream-K tail)
     7: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_f16acc (opt-in f16 accumulation)
     8: [*TMA_STORE],  # small_m (decode: no cluster, one consumer warpgroup, producer warp)
+    9: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_pingpong (experimental: 128x128 per warpgroup)
 }
 F16_ACCUMULATION_KIND = 7
+PINGPONG_KIND = 9
 F32_MMA, F16_MMA = "HGMMA.64x256x16.F32", "HGMMA.64x256x16.F16"
+F32_MMA_N128 = "HGMMA.64x128x16.F32"  # the ping-pong kind's 128-column tiles
 # Threads per CTA of the register-reallocating kinds: a producer warpgroup and two
 # consumer warpgroups, four in the f16-accumulating kind.
 KIND_THREADS = {F16_ACCUMULATION_KIND: 640}
@@ -102,6 +105,9 @@ def test_cuobjdump_sass_has_v5_signature(extension_path):
         signature = [s for s in V5_SIGNATURE if kind != WAIT0_KIND or s != WAIT_ONE] + KIND_EXTRAS[kind]
         if kind == F16_ACCUMULATION_KIND:  # f16 accumulator, never the f32 one
             signature = [F16_MMA if s == F32_MMA else s for s in signature]
+            assert F32_MMA not in body, name
+        if kind == PINGPONG_KIND:  # 128-column tiles: n128 wgmmas only
+            signature = [F32_MMA_N128 if s == F32_MMA else s for s in signature]
             assert F32_MMA not in body, name
         for needle in signature:
             assert needle in body, f"{needle} missing from {name}"
@@ -143,4 +149,4 @@ def test_nvdisasm_sees_wgmma_in_the_cubins(extension_path):
             assert "sm_90a" in cubin.name, cubin.name
             text = subprocess.run([nvdisasm, "-c", os.fspath(cubin)], check=True, capture_output=True,
                                   text=True).stdout
-            assert (F32_MMA in text or F16_MMA in text) and "UTMALDG" in text
+            assert (F32_MMA in text or F16_MMA in text or F32_MMA_N128 in text) and "UTMALDG" in text

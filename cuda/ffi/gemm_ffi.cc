@@ -22,7 +22,8 @@ namespace {
 constexpr KernelKind kKernelKinds[] = {KernelKind::kV5, KernelKind::kPersistent, KernelKind::kPersistentBasic,
                                        KernelKind::kPersistentTma, KernelKind::kPersistentWait0,
                                        KernelKind::kPersistentFused, KernelKind::kPersistentStreamK,
-                                       KernelKind::kPersistentF16Acc, KernelKind::kSmallM};
+                                       KernelKind::kPersistentF16Acc, KernelKind::kSmallM,
+                                       KernelKind::kPersistentPingpong};
 constexpr int32_t kNumKernelKinds = sizeof(kKernelKinds) / sizeof(kKernelKinds[0]);
 
 std::string shape_str(ffi::AnyBuffer::Dimensions d) {

@@ -44,15 +44,19 @@ struct GemmConfig {
   // Opt-in: accumulate in f16 (wgmma's f16 accumulator) with four consumer warpgroups
   // on a 256-row tile -- the tutorial's final version.
   static constexpr bool kF16Accumulate = kKind == KernelKind::kPersistentF16Acc;
+  // Ping-pong: each consumer warpgroup owns whole 128x128 tiles -- the CTA's even ones
+  // for warpgroup 0, odd ones for 1 -- so every stage of the ring has one reader per CTA
+  // and one warpgroup's epilogue runs while the other's MMAs keep the tensor cores busy.
+  static constexpr bool kPingpong = kKind == KernelKind::kPersistentPingpong;
   static constexpr bool kTmaStoreEpilogue = kKind == KernelKind::kPersistentTma || kKind == KernelKind::kPersistent ||
                                             kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK ||
-                                            kF16Accumulate;
+                                            kF16Accumulate || kPingpong;
   // A whole producer warpgroup (only one thread issues TMA) so that setmaxnreg, which
   // works per warpgroup, can move registers from the producer to the consumers.
   // (Not for the small-M kind: one consumer warpgroup has registers to spare.)
   static constexpr bool kProducerWarpgroup = kKind == KernelKind::kPersistent ||
                                              kKind == KernelKind::kPersistentWait0 || kFusedEpilogue ||
-                                             kKind == KernelKind::kPersistentStreamK || kF16Accumulate;
+                                             kKind == KernelKind::kPersistentStreamK || kF16Accumulate || kPingpong;
   // wgmma groups left in flight after each K tile; the stage release lags by as many.
   static constexpr int kMmaInFlight = kKind == KernelKind::kPersistentWait0 ? 0 : 1;
   // Tile order: consecutive CTAs sweep this many neighbouring N tiles, then step in M.
@@ -61,18 +65,25 @@ struct GemmConfig {
   static constexpr int kRasterSwizzle = 8;
 
   static constexpr int kConsumerWarpgroups = kF16Accumulate ? 4 : (kSmallM ? 1 : 2);
-  static constexpr int kBlockM = kConsumerWarpgroups * 64;  // 64 rows (one wgmma m64) per warpgroup
-  static constexpr int kBlockN = 256;
+  static constexpr int kMmaM = 64;  // rows of one wgmma
+  // Cooperative kinds split a tile's rows between the consumer warpgroups (64 each);
+  // a ping-pong warpgroup holds a whole tile: two 64-row blocks.
+  static constexpr int kWarpgroupM = kPingpong ? 2 * kMmaM : kMmaM;
+  static constexpr int kBlockM = kPingpong ? kWarpgroupM : kConsumerWarpgroups * kWarpgroupM;
+  static constexpr int kBlockN = kPingpong ? 128 : 256;
   static constexpr int kBlockK = 64;  // 64 16-bit elements = one 128-byte swizzle row
-  static constexpr int kMmaK = 16;    // K of one wgmma.m64n256k16
+  static constexpr int kMmaK = 16;    // K of one wgmma.m64nNk16
   static constexpr int kMmasPerKTile = kBlockK / kMmaK;
-
-  static constexpr int kWarpgroupM = kBlockM / kConsumerWarpgroups;  // 64 rows each
+  static constexpr int kMmaBlocksM = kWarpgroupM / kMmaM;  // wgmma row blocks per warpgroup
+  // Consumer warpgroups that read (and release) each stage of one CTA's ring.
+  static constexpr int kStageReaders = kPingpong ? 1 : kConsumerWarpgroups;
   static constexpr int kProducerThreads = kProducerWarpgroup ? hopper::kWarpgroupSize : hopper::kWarpSize;
   static constexpr int kThreads = kConsumerWarpgroups * hopper::kWarpgroupSize + kProducerThreads;
-  // Each thread's share of its warpgroup's 64x256 accumulator: 128 elements, in f32
-  // registers, or two per register as f16x2.
+  // Each thread's share of its warpgroup's 64x256 (ping-pong: 128x128) accumulator: 128
+  // elements, in f32 registers, or two per register as f16x2; ping-pong keeps its two
+  // 64-row blocks one after the other (kBlockAccumulators each).
   static constexpr int kAccumulators = kWarpgroupM * kBlockN / hopper::kWarpgroupSize;  // 128
+  static constexpr int kBlockAccumulators = kAccumulators / kMmaBlocksM;
   using Accumulator = std::conditional_t<kF16Accumulate, uint32_t, float>;
   static constexpr int kAccumulatorRegisters = kF16Accumulate ? kAccumulators / 2 : kAccumulators;
   // setmaxnreg moves registers within the CTA's pool, which is what the kernel was
@@ -95,14 +106,15 @@ struct GemmConfig {
   // of a whole extra 64 KB output tile) next to the default's 4 x 48 KB ring, one next
   // to the f16-accumulating kind's 3 x 64 KB.
   static constexpr int kStoreRowBytes = 128;
-  static constexpr int kStoreBufferBytes = kWarpgroupM * kStoreRowBytes;  // 8 KB
+  static constexpr int kStoreRows = kMmaM;  // one wgmma row block per sub-tile
+  static constexpr int kStoreBufferBytes = kStoreRows * kStoreRowBytes;  // 8 KB
   static constexpr int kMaxStoreBuffers = 2;  // two already hide a store behind the next sub-tile
   // Named hardware barriers of the consumer warpgroups' epilogues (0 is __syncthreads').
   static constexpr int kFirstEpilogueBarrier = 1;
   static constexpr int kHardwareBarriers = 16;
   static_assert(kFirstEpilogueBarrier + kConsumerWarpgroups <= kHardwareBarriers, "one named barrier per warpgroup");
 
-  using LayoutA = OperandLayout<Element, kMajorA, kBlockM, kBlockK>;
+  using LayoutA = OperandLayout<Element, kMajorA, kBlockM, kBlockK>;  // a ping-pong stage holds one tile
   using LayoutB = OperandLayout<Element, kMajorB, kBlockN, kBlockK, kClusterM>;
   static constexpr uint32_t kStageBytes = LayoutA::kBytes + LayoutB::kBytes;  // TMA tx bytes
 
@@ -114,8 +126,10 @@ struct GemmConfig {
   static constexpr int kStoreBuffers = kStoreBuffersThatFit < kMaxStoreBuffers ? kStoreBuffersThatFit : kMaxStoreBuffers;
 
   static_assert(kStages >= 1 + kMmaInFlight, "the lagging release needs a stage per group in flight");
-  static_assert(kWarpgroupM == 64, "one wgmma m64 row block per consumer warpgroup");
-  static_assert(kAccumulators == 128, "a 64x256 accumulator is 128 elements per thread");
+  static_assert(kWarpgroupM % kMmaM == 0, "whole wgmma m64 row blocks per consumer warpgroup");
+  static_assert(kAccumulators == 128, "a 64x256 or 128x128 accumulator is 128 elements per thread");
+  static_assert(!kPingpong || (!kFusedEpilogue && !kStreamK && !kF16Accumulate && kConsumerWarpgroups == 2),
+                "ping-pong: two f32 warpgroups, plain epilogue, whole tiles");
   static_assert(!kTmaStoreEpilogue || kStoreBuffers >= 1, "no room left for the epilogue's staging buffer");
   static_assert(!kProducerWarpgroup || kProducerThreads * kProducerRegisters +
                                                kConsumerWarpgroups * hopper::kWarpgroupSize * kConsumerRegisters <=
@@ -140,6 +154,18 @@ struct FusedStorage {
 template <class Cfg>
 struct FusedStorage<Cfg, false> {};
 
+// Ping-pong: turn[w] completes a phase each time the other warpgroup has waited for all
+// of its tile's stages (all its threads arrive), which warpgroup w awaits before its own
+// next tile. Besides serializing the two mainloops, this keeps a warpgroup from waiting
+// on a stage more than one ring lap ahead of the producer, where the phase parity would
+// be ambiguous.
+template <class Cfg, bool = Cfg::kPingpong>
+struct TurnStorage {
+  uint64_t turn[Cfg::kConsumerWarpgroups];
+};
+template <class Cfg>
+struct TurnStorage<Cfg, false> {};
+
 template <class Cfg>
 struct SharedStorage {
   struct alignas(kSmemAlignment) Stage {
@@ -149,6 +175,7 @@ struct SharedStorage {
   Stage stages[Cfg::kStages];
   EpilogueStorage<Cfg> epilogue;
   FusedStorage<Cfg> fused;
+  TurnStorage<Cfg> turns;
   uint64_t full[Cfg::kStages];   // TMA -> consumers: the stage holds fresh data
   uint64_t empty[Cfg::kStages];  // consumers -> TMA: the stage may be overwritten
 };

@@ -103,7 +103,8 @@ struct DirectStoreEpilogue {
   static constexpr int kColsPerBlock = 8;
   static constexpr int kColBlocks = Cfg::kBlockN / kColsPerBlock;
 
-  using Acc = typename Cfg::Accumulator[Cfg::kAccumulatorRegisters];
+  // One wgmma row block's fragment (a ping-pong warpgroup stores its two in turn).
+  using Acc = typename Cfg::Accumulator[Cfg::kAccumulatorRegisters / Cfg::kMmaBlocksM];
   using Frag = Fragment<typename Cfg::Accumulator>;
 
   template <class Out>

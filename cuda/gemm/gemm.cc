@@ -101,6 +101,8 @@ const char* kind_name(KernelKind kind) {
       return "persistent_f16acc";
     case KernelKind::kSmallM:
       return "small_m";
+    case KernelKind::kPersistentPingpong:
+      return "persistent_pingpong";
   }
   return "unknown";
 }

@@ -65,6 +65,9 @@ struct GemmArgs {
 //  kSmallM            decode-sized M: 64x256 tiles (one consumer warpgroup), no
 //                      cluster, and K split over every SM (the stream-K walk with all
 //                      tiles in the tail), so all SMs stream B at once
+//  kPersistentPingpong EXPERIMENTAL: 128x128 tiles, each consumer warpgroup owns whole
+//                      tiles (the CTA's even and odd ones), so one warpgroup's epilogue
+//                      runs under the other's MMAs (cuBLASLt's pick at 4096^3)
 enum class KernelKind {
   kV5,
   kPersistent,
@@ -74,7 +77,8 @@ enum class KernelKind {
   kPersistentFused,
   kPersistentStreamK,
   kPersistentF16Acc,
-  kSmallM
+  kSmallM,
+  kPersistentPingpong
 };
 
 // Compile-time kernel parameters that are selectable at run time (each choice is an

@@ -1,6 +1,6 @@
 // The kernel: barrier set-up and role dispatch only. Consumer warpgroups 0 .. n-1 each
 // own 64 rows x 256 columns of the tile (n = 2: 128x256; the f16-accumulating kind,
-// n = 4: 256x256); after them comes the TMA producer (V5: one warp, threads 256-287;
+// n = 4: 256x256), or (ping-pong) whole 128x128 tiles, taking the CTA's tiles in turn; after them comes the TMA producer (V5: one warp, threads 256-287;
 // with register reallocation a whole warpgroup of which one thread works). V5 launches one CTA per tile; the persistent kinds launch one CTA per
 // SM (in 2-CTA clusters) and each walks tiles with a grid stride, pipeline state
 // carried on.
@@ -38,7 +38,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto& smem = *reinterpret_cast<SharedStorage<Cfg>*>((base + kSmemAlignment - 1) &
                                                       ~uintptr_t(kSmemAlignment - 1));
   const typename Main::Pipe pipe{smem.full, smem.empty};
-  if (threadIdx.x == 0) pipe.init(Cfg::kConsumerWarpgroups * Cfg::kClusterM);
+  if (threadIdx.x == 0) {
+    if constexpr (Cfg::kPingpong)
+      for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w)
+        hopper::mbarrier_init(&smem.turns.turn[w], hopper::kWarpgroupSize);
+    pipe.init(Cfg::kStageReaders * Cfg::kClusterM);  // its fence covers the turn barriers too
+  }
   // Peers signal this CTA's barriers: they must all be initialised cluster-wide first.
   if constexpr (Cfg::kClusterM > 1) {
     hopper::cluster_sync();
@@ -66,21 +71,48 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     using Epilogue = EpilogueOf<Cfg>;
     auto read = consumer_start_state<Cfg::kStages>();
     WorkCursor<Cfg::kStreamK> cursor(work, cluster);
-    for (WorkUnit unit; cursor.next(unit);) {
+    int64_t unit_index = 0;  // this CTA's units so far (ping-pong: whose turn it is)
+    int64_t own_units = 0;   // ping-pong: this warpgroup's units so far
+    // Ping-pong: the other warpgroup may start its next mainloop. Every thread arrives
+    // (not one elected): a phase then also proves that each of this warpgroup's warps
+    // passed its own turn wait, so no warp can fall two phases behind (K <= 64 or a
+    // unit past M has no wgmma to keep the warps together).
+    const auto hand_over = [&] {
+      if constexpr (Cfg::kPingpong) hopper::mbarrier_arrive(&smem.turns.turn[1 - warpgroup]);
+    };
+    for (WorkUnit unit; cursor.next(unit); ++unit_index) {
+      const int k_tiles = unit.k_end - unit.k_begin;
+      if constexpr (Cfg::kPingpong) {
+        static_assert(Cfg::kConsumerWarpgroups == 2, "ping-pong alternates two warpgroups");
+        if (unit_index % Cfg::kConsumerWarpgroups != warpgroup) {
+          Main::skip(k_tiles, read);
+          continue;
+        }
+        // Unit u waits until the mainloop of unit u - 1 (the other warpgroup's) has waited
+        // for all its stages: the c-th hand-over to this warpgroup completes phase c.
+        const int64_t handovers_needed = warpgroup == 0 ? own_units : own_units + 1;
+        if (handovers_needed > 0)
+          hopper::mbarrier_wait(&smem.turns.turn[warpgroup], static_cast<uint32_t>((handovers_needed - 1) & 1));
+        ++own_units;
+      }
       const TileCoord tile = scheduler.tile(unit.tile, cta_rank);
-      const int row0 = tile.m_block * Cfg::kBlockM + warpgroup * Cfg::kWarpgroupM;
+      // Cooperative kinds: this warpgroup's rows of the tile (and A's 64-row slice);
+      // ping-pong: the whole tile.
+      const int a_slice = Cfg::kPingpong ? 0 : warpgroup;
+      const int row0 = tile.m_block * Cfg::kBlockM + a_slice * Cfg::kMmaM;
       const int col0 = tile.n_block * Cfg::kBlockN;
       // Rows all past M (small M: the second warpgroup, the cluster's second CTA): no
       // MMAs, no stores. A stream-K finisher and its contributors share a tile, CTA rank
       // and warpgroup, so they skip together (nothing is published or awaited).
       if (row0 >= out.m) {
-        Main::pass(pipe, unit.k_end - unit.k_begin, read);
+        Main::pass(pipe, k_tiles, read, Cfg::kFirstEpilogueBarrier + warpgroup);
+        hand_over();
         continue;
       }
       uint32_t bias_pair = 0;
       if constexpr (Cfg::kFusedEpilogue) bias_pair = FusedOps<Cfg>::prefetch(out, row0, col0);
-      typename Cfg::Accumulator acc[Cfg::kAccumulatorRegisters];
-      Main::mma(pipe, smem, warpgroup, unit.k_end - unit.k_begin, acc, read);
+      typename Main::Acc acc;
+      Main::mma(pipe, smem, a_slice, k_tiles, acc, read, hand_over);
       if constexpr (Cfg::kStreamK) {
         using Fixup = StreamKFixup<Cfg>;
         if (unit.role == UnitRole::kContributor) {
@@ -97,10 +129,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if constexpr (Cfg::kFusedEpilogue)
         FusedOps<Cfg>::apply(acc, out, row0, col0, bias_pair, smem.fused.bias[warpgroup],
                              Cfg::kFirstEpilogueBarrier + warpgroup);
-      if constexpr (Cfg::kTmaStoreEpilogue) {
-        Epilogue::store(acc, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, tile.batch, row0, col0);
-      } else {
-        Epilogue::store(acc, out, tile.batch, row0, col0);
+#pragma unroll
+      for (int mb = 0; mb < Cfg::kMmaBlocksM; ++mb) {  // one 64-row block at a time
+        const int block_row0 = row0 + mb * Cfg::kMmaM;
+        if constexpr (Cfg::kTmaStoreEpilogue) {
+          Epilogue::store(Main::block(acc, mb), smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup,
+                          tile.batch, block_row0, col0);
+        } else {
+          Epilogue::store(Main::block(acc, mb), out, tile.batch, block_row0, col0);
+        }
       }
     }
     if constexpr (Cfg::kTmaStoreEpilogue) Epilogue::finish();

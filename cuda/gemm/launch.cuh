@@ -50,7 +50,7 @@ Status encode_operand(CUtensorMap* map, const void* ptr, int64_t mn, int64_t k, 
 }
 
 // Output tensor map for the TMA-store epilogue: boxes one 128-byte swizzle row wide by
-// one warpgroup's rows. False (and no map) when C's layout is not one TMA can address
+// one wgmma row block (64 rows). False (and no map) when C's layout is not one TMA can address
 // (16-byte aligned base and row/batch strides); the kernel then stores from registers.
 template <class Cfg>
 Status encode_output(CUtensorMap* map, const GemmArgs& args, bool* usable) {
@@ -67,7 +67,7 @@ Status encode_output(CUtensorMap* map, const GemmArgs& args, bool* usable) {
   d.row_stride = static_cast<uint64_t>(args.ldc);
   d.batch_stride = static_cast<uint64_t>(args.batch_stride_c);
   d.box_inner = Cfg::kStoreRowBytes / c_bytes;
-  d.box_outer = Cfg::kWarpgroupM;
+  d.box_outer = Cfg::kStoreRows;
   d.element_bytes = c_bytes;
   return hopper::encode_tensor_map_3d(map, d);
 }

@@ -74,25 +74,49 @@ struct Mainloop {
   }
 
   // ---- consumer: run by a whole consumer warpgroup -------------------------------------
-  // The four m64n256k16 MMAs of one K tile; `accumulate` false starts a fresh sum.
-  __device__ static void mma_k_tile(const typename Storage::Stage& stage, int warpgroup,
-                                    typename Cfg::Accumulator (&acc)[Cfg::kAccumulatorRegisters], bool accumulate) {
+  // This warpgroup's accumulator block `mb` (one wgmma row block; the whole accumulator
+  // unless a ping-pong warpgroup holds two).
+  using Acc = typename Cfg::Accumulator[Cfg::kAccumulatorRegisters];
+  using BlockAcc = typename Cfg::Accumulator[Cfg::kAccumulatorRegisters / Cfg::kMmaBlocksM];
+  __device__ static BlockAcc& block(Acc& acc, int mb) {
+    return *reinterpret_cast<BlockAcc*>(&acc[mb * (Cfg::kAccumulatorRegisters / Cfg::kMmaBlocksM)]);
+  }
+
+  // The MMAs of one K tile: per 16-deep K step, one wgmma per row block of this
+  // warpgroup, A's 64-row slices a_slice, a_slice + 1, ... against the tile's B.
+  // `accumulate` false starts a fresh sum.
+  __device__ static void mma_k_tile(const typename Storage::Stage& stage, int a_slice, Acc& acc, bool accumulate) {
 #pragma unroll
     for (int kk = 0; kk < Cfg::kMmasPerKTile; ++kk) {
-      const uint64_t desc_a = LayoutA::template descriptor<Cfg::kMmaK>(stage.a, warpgroup, kk);
       const uint64_t desc_b = LayoutB::template descriptor<Cfg::kMmaK>(stage.b, 0, kk);
-      hopper::wgmma_m64n256k16<Element, LayoutA::kTranspose, LayoutB::kTranspose>(
-          acc, desc_a, desc_b, (accumulate || kk > 0) ? 1 : 0);
+      const int scale_d = (accumulate || kk > 0) ? 1 : 0;
+#pragma unroll
+      for (int mb = 0; mb < Cfg::kMmaBlocksM; ++mb) {
+        const uint64_t desc_a = LayoutA::template descriptor<Cfg::kMmaK>(stage.a, a_slice + mb, kk);
+        hopper::wgmma_m64nNk16<Element, LayoutA::kTranspose, LayoutB::kTranspose, Cfg::kBlockN>(
+            block(acc, mb), desc_a, desc_b, scale_d);
+      }
     }
+  }
+
+  // Ping-pong: the other warpgroup's tile. Its stages are neither awaited nor released
+  // here (they have one reader per CTA, the other warpgroup); the cursor just steps
+  // over them.
+  __device__ static void skip(int k_tiles, State& read) {
+    for (int kt = 0; kt < k_tiles; ++kt) read.advance();
   }
 
   // A warpgroup with no rows inside M in this tile keeps the ring's protocol -- waits
   // for each of its K tiles' stages and releases it at once (no wgmma reads it) -- and
   // computes nothing, so the SM's tensor cores serve the other warpgroup alone.
-  __device__ static void pass(const Pipe& pipe, int k_tiles, State& read) {
+  // `barrier` (a named barrier of this warpgroup alone) holds the release until every
+  // warp has waited: with no wgmma to keep the warps together, a lagging warp could
+  // otherwise find the stage refilled and its barrier two phases on.
+  __device__ static void pass(const Pipe& pipe, int k_tiles, State& read, uint32_t barrier) {
     const bool elected = hopper::thread_in_warpgroup() == 0;
     for (int kt = 0; kt < k_tiles; ++kt) {
       pipe.consumer_wait(read);
+      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
       if (elected) pipe.consumer_release(read);
       read.advance();
     }
@@ -101,17 +125,22 @@ struct Mainloop {
   // `read` carries on across the tiles of a persistent CTA. Each K tile: wait for its
   // stage, issue its MMAs, then wait until only kMmaInFlight groups are in flight and
   // release the stage of the group that just retired. With kMmaInFlight = 1 (V5 and the
-  // default) the
-  // stage being read by the group still in flight is never released: release trails
-  // read by exactly one stage.
-  __device__ static void mma(const Pipe& pipe, const Storage& smem, int warpgroup, int k_tiles,
-                             typename Cfg::Accumulator (&acc)[Cfg::kAccumulatorRegisters], State& read) {
+  // default) the stage being read by the group still in flight is never released:
+  // release trails read by exactly one stage. `issued()` runs once the last stage has
+  // been waited for and its MMAs issued, before the tail retires them (ping-pong hands
+  // the tensor cores to the other warpgroup there).
+  struct Nothing {
+    __device__ void operator()() const {}
+  };
+  template <class Issued = Nothing>
+  __device__ static void mma(const Pipe& pipe, const Storage& smem, int a_slice, int k_tiles, Acc& acc,
+                             State& read, Issued issued = {}) {
     const bool elected = hopper::thread_in_warpgroup() == 0;
     State release = read;  // the stage whose MMA retires next
     for (int kt = 0; kt < k_tiles; ++kt) {
       pipe.consumer_wait(read);
       hopper::wgmma_fence();
-      mma_k_tile(smem.stages[read.index], warpgroup, acc, /*accumulate=*/kt > 0);
+      mma_k_tile(smem.stages[read.index], a_slice, acc, /*accumulate=*/kt > 0);
       hopper::wgmma_commit_group();
       hopper::wgmma_wait_group<Cfg::kMmaInFlight>();
       if (kt >= Cfg::kMmaInFlight) {
@@ -120,6 +149,7 @@ struct Mainloop {
       }
       read.advance();
     }
+    issued();
     // Tail: retire what is still in flight and release its stages (the producer's drain
     // waits on them).
     hopper::wgmma_wait_group<0>();

@@ -37,6 +37,11 @@ __device__ __forceinline__ void wgmma_wait_group() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 
+// Eight consecutive f32 accumulator registers as "+f" asm operands.
+#define JAX_HOPPER_WGMMA_ACC8(i)                                                              \
+  "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), \
+      "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+
 // D[64x256] (+)= A[64x16] * B[16x256], f32 accumulate. kTransA/kTransB are the
 // instruction's transpose immediates: 0 = K-major operand, 1 = MN-major operand.
 // scale_d == 0 ignores the old accumulator (first MMA of a tile needs no zeroing).
@@ -58,43 +63,66 @@ __device__ __forceinline__ void wgmma_wait_group() {
       "},"                                                                                 \
       " %128, %129, p, 1, 1, %131, %132;\n"                                                \
       "}\n"                                                                                \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),\
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),\
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),\
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),\
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),\
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),\
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),\
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),\
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),\
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),\
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),\
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),\
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),\
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),\
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),\
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])                                                         \
+      : JAX_HOPPER_WGMMA_ACC8(0), JAX_HOPPER_WGMMA_ACC8(8), JAX_HOPPER_WGMMA_ACC8(16), JAX_HOPPER_WGMMA_ACC8(24), \
+        JAX_HOPPER_WGMMA_ACC8(32), JAX_HOPPER_WGMMA_ACC8(40), JAX_HOPPER_WGMMA_ACC8(48), JAX_HOPPER_WGMMA_ACC8(56), \
+        JAX_HOPPER_WGMMA_ACC8(64), JAX_HOPPER_WGMMA_ACC8(72), JAX_HOPPER_WGMMA_ACC8(80), JAX_HOPPER_WGMMA_ACC8(88), \
+        JAX_HOPPER_WGMMA_ACC8(96), JAX_HOPPER_WGMMA_ACC8(104), JAX_HOPPER_WGMMA_ACC8(112), JAX_HOPPER_WGMMA_ACC8(120) \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB))
 
-template <class Element, int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                 int scale_d) {
+
+// D[64x128] (+)= A[64x16] * B[16x128], f32 accumulate (the ping-pong kind's tiles are
+// two of these row blocks). Same operands and immediates as the n256 form.
+#define JAX_HOPPER_WGMMA_M64N128K16(TYPE)                                               \
+  asm volatile(                                                                         \
+      "{\n"                                                                             \
+      ".reg .pred p;\n"                                                                 \
+      "setp.ne.b32 p, %66, 0;\n"                                                        \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n"                  \
+      "{"                                                                               \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"\
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"\
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"\
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"\
+      "},"                                                                              \
+      " %64, %65, p, 1, 1, %67, %68;\n"                                                 \
+      "}\n"                                                                             \
+      : JAX_HOPPER_WGMMA_ACC8(0), JAX_HOPPER_WGMMA_ACC8(8), JAX_HOPPER_WGMMA_ACC8(16), JAX_HOPPER_WGMMA_ACC8(24), \
+        JAX_HOPPER_WGMMA_ACC8(32), JAX_HOPPER_WGMMA_ACC8(40), JAX_HOPPER_WGMMA_ACC8(48), JAX_HOPPER_WGMMA_ACC8(56) \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB))
+
+// D[64xN] (+)= A[64x16] * B[16xN] with an f32 accumulator of N / 2 registers per thread,
+// for the widths the kernels use (N = 256; 128 in the ping-pong kind).
+template <class Element, int kTransA, int kTransB, int kN>
+__device__ __forceinline__ void wgmma_m64nNk16(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   static_assert(std::is_same_v<Element, __half> || std::is_same_v<Element, __nv_bfloat16>);
-  if constexpr (std::is_same_v<Element, __half>) {
-    JAX_HOPPER_WGMMA_M64N256K16("f16");
+  static_assert(kN == 256 || kN == 128, "wgmma wrappers exist for N = 256 and 128");
+  constexpr bool kF16 = std::is_same_v<Element, __half>;
+  if constexpr (kN == 256) {
+    if constexpr (kF16) {
+      JAX_HOPPER_WGMMA_M64N256K16("f16");
+    } else {
+      JAX_HOPPER_WGMMA_M64N256K16("bf16");
+    }
   } else {
-    JAX_HOPPER_WGMMA_M64N256K16("bf16");
+    if constexpr (kF16) {
+      JAX_HOPPER_WGMMA_M64N128K16("f16");
+    } else {
+      JAX_HOPPER_WGMMA_M64N128K16("bf16");
+    }
   }
 }
 
 #undef JAX_HOPPER_WGMMA_M64N256K16
+#undef JAX_HOPPER_WGMMA_M64N128K16
+#undef JAX_HOPPER_WGMMA_ACC8
 
 // D[64x256] (+)= A[64x16] * B[16x256] accumulated in f16: each register holds two
 // adjacent accumulator elements (f16x2) in the f32 layout's order, so the fragment is
 // half the size. f16 operands only (the instruction has no bf16 accumulator).
-template <class Element, int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n256k16(uint32_t (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+template <class Element, int kTransA, int kTransB, int kN>
+__device__ __forceinline__ void wgmma_m64nNk16(uint32_t (&d)[kN / 4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   static_assert(std::is_same_v<Element, __half>, "f16 accumulation takes f16 operands");
+  static_assert(kN == 256, "the f16-accumulating kind's tiles are 256 wide");
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
