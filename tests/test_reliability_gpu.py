@@ -17,6 +17,7 @@ import pytest
 from helpers import f32_reference, relative_error, seed_normal
 
 import jax_hopper
+from jax_hopper._primitive import KERNELS
 
 F16 = jnp.float16
 
@@ -184,7 +185,7 @@ FFI_MISUSE = [  # (a, b, c shape, c dtype, attributes, message)
     ((2, 64, 32), (3, 32, 64), (2, 64, 64), F16, {}, "batch sizes differ"),
     ((64, 32), (32, 64), (64, 64), BF16, {}, "c must have"),
     ((64, 32), (32, 64), (64, 64), F16, {"kernel": 5}, "unknown kernel"),  # the fused kind: its own handler
-    ((64, 32), (32, 64), (64, 64), F16, {"kernel": 9}, "unknown kernel"),  # past the last kind
+    ((64, 32), (32, 64), (64, 64), F16, {"kernel": max(KERNELS.values()) + 1}, "unknown kernel"),  # past the last
     ((64, 32), (32, 64), (64, 64), F16, {"stages": 5}, "no compiled"),
 ]
 
