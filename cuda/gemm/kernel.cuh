@@ -1,9 +1,10 @@
 // The kernel: barrier set-up and role dispatch only. Consumer warpgroups 0 .. n-1 each
 // own 64 rows x 256 columns of the tile (n = 2: 128x256; the f16-accumulating kind,
-// n = 4: 256x256), or (ping-pong) whole 128x128 tiles, taking the CTA's tiles in turn; after them comes the TMA producer (V5: one warp, threads 256-287;
-// with register reallocation a whole warpgroup of which one thread works). V5 launches one CTA per tile; the persistent kinds launch one CTA per
-// SM (in 2-CTA clusters) and each walks tiles with a grid stride, pipeline state
-// carried on.
+// n = 4: 256x256), or (ping-pong) whole 128x128 tiles, taking the CTA's tiles in turn.
+// After them comes the TMA producer (V5: one warp, threads 256-287; with register
+// reallocation a whole warpgroup of which one thread works). V5 launches one CTA per
+// tile; the persistent kinds launch one CTA per SM (in 2-CTA clusters) and each walks
+// tiles with a grid stride, pipeline state carried on.
 #pragma once
 #include <cuda.h>
 
