@@ -41,10 +41,11 @@ KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3,
 DEFAULT_KERNEL = "persistent"
 F16_ACCUMULATION_KERNEL = "persistent_f16acc"
 SMALL_M_KERNEL = "small_m"
+PINGPONG_KERNEL = "persistent_pingpong"  # experimental, never dispatched
 DEFAULT_STAGES = 4
 # Kinds compiled with another ring depth (instances.def): 64 KB stages leave room for 3,
 # the small-M kind's 40 KB ones for 5, the (experimental) ping-pong kind's 32 KB ones for 6.
-KERNEL_STAGES = {F16_ACCUMULATION_KERNEL: 3, SMALL_M_KERNEL: 5, "persistent_pingpong": 6}
+KERNEL_STAGES = {F16_ACCUMULATION_KERNEL: 3, SMALL_M_KERNEL: 5, PINGPONG_KERNEL: 6}
 
 
 def stages_of(kernel: str) -> int:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# EXPERIMENT (branch exp-pingpong): the ping-pong kind (128x128 tile per consumer
-# warpgroup, the two warpgroups taking the CTA's tiles in turn) -- correctness first
-# (the selectable-kernel tests: 8192^3, partial tiles, a tile past M), then kernel time
-# against the default and jnp.dot where cuBLASLt picks 128x128 (4096^3) and beyond.
-# About 40 s of build, <= 120 s of tests, <= 200 s of benchmark: one 600 s device call.
+# The ping-pong kind (128x128 tile per consumer warpgroup, the two warpgroups taking the
+# CTA's tiles in turn; merged in f7df98f, measured slower than the default: BENCHMARKS.md)
+# -- correctness first (the selectable-kernel tests: 8192^3, partial tiles, a tile past
+# M), then kernel time against the default and jnp.dot. About 40 s of build, <= 120 s of
+# tests, <= 200 s of benchmark: one 600 s device call.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${1:-${OUT:-$REPO/device-out}}

@@ -81,11 +81,11 @@ struct GemmConfig {
   static constexpr int kThreads = kConsumerWarpgroups * hopper::kWarpgroupSize + kProducerThreads;
   // Each thread's share of its warpgroup's 64x256 (ping-pong: 128x128) accumulator: 128
   // elements, in f32 registers, or two per register as f16x2; ping-pong keeps its two
-  // 64-row blocks one after the other (kBlockAccumulators each).
+  // 64-row blocks one after the other (kBlockAccumulatorRegisters each).
   static constexpr int kAccumulators = kWarpgroupM * kBlockN / hopper::kWarpgroupSize;  // 128
-  static constexpr int kBlockAccumulators = kAccumulators / kMmaBlocksM;
   using Accumulator = std::conditional_t<kF16Accumulate, uint32_t, float>;
   static constexpr int kAccumulatorRegisters = kF16Accumulate ? kAccumulators / 2 : kAccumulators;
+  static constexpr int kBlockAccumulatorRegisters = kAccumulatorRegisters / kMmaBlocksM;  // one wgmma row block's
   // setmaxnreg moves registers within the CTA's pool, which is what the kernel was
   // launched with: kThreads x its register count, at most this many per thread (ptxas
   // caps the count here under __launch_bounds__(kThreads, 1); tests/test_sass.py checks
@@ -99,12 +99,13 @@ struct GemmConfig {
       (kThreads * kLaunchRegisters - kProducerThreads * kProducerRegisters) /
       (kConsumerWarpgroups * hopper::kWarpgroupSize) / 8 * 8;
 
-  // TMA-store epilogue: each consumer warpgroup writes its 64 x 256 part as sub-tiles
-  // one 128-byte swizzle row wide (64 16-bit or 32 f32 columns) through staging buffers
+  // TMA-store epilogue: each consumer warpgroup writes its part (64 x 256; ping-pong: a
+  // 128 x 128 tile, one 64-row block after the other) as sub-tiles of 64 rows, one
+  // 128-byte swizzle row wide (64 16-bit or 32 f32 columns), through staging buffers
   // that get what the ring leaves of shared memory (after the alignment slack and
-  // kSmemReserve for barriers and the fused bias slice): two per warpgroup (32 KB instead
-  // of a whole extra 64 KB output tile) next to the default's 4 x 48 KB ring, one next
-  // to the f16-accumulating kind's 3 x 64 KB.
+  // kSmemReserve for barriers and the fused bias slice), at most two per warpgroup: two
+  // (32 KB instead of a whole extra 64 KB output tile) next to the default's 4 x 48 KB
+  // ring, one next to the f16-accumulating kind's 3 x 64 KB.
   static constexpr int kStoreRowBytes = 128;
   static constexpr int kStoreRows = kMmaM;  // one wgmma row block per sub-tile
   static constexpr int kStoreBufferBytes = kStoreRows * kStoreRowBytes;  // 8 KB

@@ -104,7 +104,7 @@ struct DirectStoreEpilogue {
   static constexpr int kColBlocks = Cfg::kBlockN / kColsPerBlock;
 
   // One wgmma row block's fragment (a ping-pong warpgroup stores its two in turn).
-  using Acc = typename Cfg::Accumulator[Cfg::kAccumulatorRegisters / Cfg::kMmaBlocksM];
+  using Acc = typename Cfg::Accumulator[Cfg::kBlockAccumulatorRegisters];
   using Frag = Fragment<typename Cfg::Accumulator>;
 
   template <class Out>

@@ -67,7 +67,8 @@ struct GemmArgs {
 //                      tiles in the tail), so all SMs stream B at once
 //  kPersistentPingpong EXPERIMENTAL: 128x128 tiles, each consumer warpgroup owns whole
 //                      tiles (the CTA's even and odd ones), so one warpgroup's epilogue
-//                      runs under the other's MMAs (cuBLASLt's pick at 4096^3)
+//                      runs under the other's MMAs (one of cuBLASLt's 4096^3 candidates);
+//                      measured slower than kPersistent (BENCHMARKS.md)
 enum class KernelKind {
   kV5,
   kPersistent,

@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           continue;
         }
         // Unit u waits until the mainloop of unit u - 1 (the other warpgroup's) has waited
-        // for all its stages: the c-th hand-over to this warpgroup completes phase c.
+        // for all its stages: the c-th hand-over to this warpgroup (c = 1, 2, ...)
+        // completes phase c - 1, whose parity the wait names.
         const int64_t handovers_needed = warpgroup == 0 ? own_units : own_units + 1;
         if (handovers_needed > 0)
           hopper::mbarrier_wait(&smem.turns.turn[warpgroup], static_cast<uint32_t>((handovers_needed - 1) & 1));
@@ -102,8 +103,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int a_slice = Cfg::kPingpong ? 0 : warpgroup;
       const int row0 = tile.m_block * Cfg::kBlockM + a_slice * Cfg::kMmaM;
       const int col0 = tile.n_block * Cfg::kBlockN;
-      // Rows all past M (small M: the second warpgroup, the cluster's second CTA): no
-      // MMAs, no stores. A stream-K finisher and its contributors share a tile, CTA rank
+      // Rows all past M (small M: the second warpgroup, the cluster's second CTA; in
+      // ping-pong a whole tile past M): no MMAs, no stores. A stream-K finisher and its contributors share a tile, CTA rank
       // and warpgroup, so they skip together (nothing is published or awaited).
       if (row0 >= out.m) {
         Main::pass(pipe, k_tiles, read, Cfg::kFirstEpilogueBarrier + warpgroup);

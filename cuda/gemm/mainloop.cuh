@@ -77,9 +77,9 @@ struct Mainloop {
   // This warpgroup's accumulator block `mb` (one wgmma row block; the whole accumulator
   // unless a ping-pong warpgroup holds two).
   using Acc = typename Cfg::Accumulator[Cfg::kAccumulatorRegisters];
-  using BlockAcc = typename Cfg::Accumulator[Cfg::kAccumulatorRegisters / Cfg::kMmaBlocksM];
+  using BlockAcc = typename Cfg::Accumulator[Cfg::kBlockAccumulatorRegisters];
   __device__ static BlockAcc& block(Acc& acc, int mb) {
-    return *reinterpret_cast<BlockAcc*>(&acc[mb * (Cfg::kAccumulatorRegisters / Cfg::kMmaBlocksM)]);
+    return *reinterpret_cast<BlockAcc*>(&acc[mb * Cfg::kBlockAccumulatorRegisters]);
   }
 
   // The MMAs of one K tile: per 16-deep K step, one wgmma per row block of this

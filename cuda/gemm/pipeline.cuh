@@ -1,6 +1,7 @@
 // The shared-memory ring between the TMA producer and the consumer warpgroups: per
 // stage a `full` barrier (1 arrival + TMA bytes) and an `empty` barrier (one elected
-// arrival per consumer warpgroup), and an {index, phase} cursor for each side.
+// arrival per warpgroup that reads the stage: every consumer warpgroup in the
+// cooperative kinds, one in ping-pong), and an {index, phase} cursor for each side.
 #pragma once
 #include <cstdint>
 
@@ -35,7 +36,7 @@ __device__ PipelineState<kStages> consumer_start_state() {
 
 // kClusterSize > 1: every CTA's stage s is also written by its peers' multicast loads,
 // so a stage is free only once the consumers of every CTA in the cluster released it:
-// each consumer warpgroup arrives on stage s's empty barrier in all the cluster's CTAs.
+// each warpgroup that read it arrives on stage s's empty barrier in all the cluster's CTAs.
 template <int kStages, int kClusterSize = 1>
 struct Pipeline {
   uint64_t* full;
@@ -63,8 +64,10 @@ struct Pipeline {
   __device__ void consumer_wait(const PipelineState<kStages>& st) const {
     hopper::mbarrier_wait(&full[st.index], st.phase);
   }
-  // Called by one elected thread per consumer warpgroup, only once the wgmma that read
-  // the stage has retired (wgmma.wait_group), never merely after issuing it.
+  // Called by one elected thread per reading warpgroup, only once nothing reads the
+  // stage any more: the wgmma that read it has retired (wgmma.wait_group), never merely
+  // been issued; a warpgroup that only passes a stage (Mainloop::pass) releases it
+  // once all its warps have waited for it.
   __device__ void consumer_release(const PipelineState<kStages>& st) const {
     if constexpr (kClusterSize == 1) {
       hopper::mbarrier_arrive(&empty[st.index]);
