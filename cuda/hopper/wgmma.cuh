@@ -37,10 +37,13 @@ __device__ __forceinline__ void wgmma_wait_group() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 
-// Eight consecutive f32 accumulator registers as "+f" asm operands.
-#define JAX_HOPPER_WGMMA_ACC8(i)                                                              \
-  "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), \
-      "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+// Eight consecutive accumulator registers as read-write asm operands: "+f" (f32) or
+// "+r" (f16x2).
+#define JAX_HOPPER_WGMMA_ACC8_AS(C, i)                                                                   \
+  C(d[(i)]), C(d[(i) + 1]), C(d[(i) + 2]), C(d[(i) + 3]), C(d[(i) + 4]), C(d[(i) + 5]), C(d[(i) + 6]), \
+      C(d[(i) + 7])
+#define JAX_HOPPER_WGMMA_ACC8(i) JAX_HOPPER_WGMMA_ACC8_AS("+f", i)
+#define JAX_HOPPER_WGMMA_ACC8_F16X2(i) JAX_HOPPER_WGMMA_ACC8_AS("+r", i)
 
 // D[64x256] (+)= A[64x16] * B[16x256], f32 accumulate. kTransA/kTransB are the
 // instruction's transpose immediates: 0 = K-major operand, 1 = MN-major operand.
@@ -68,7 +71,6 @@ __device__ __forceinline__ void wgmma_wait_group() {
         JAX_HOPPER_WGMMA_ACC8(64), JAX_HOPPER_WGMMA_ACC8(72), JAX_HOPPER_WGMMA_ACC8(80), JAX_HOPPER_WGMMA_ACC8(88), \
         JAX_HOPPER_WGMMA_ACC8(96), JAX_HOPPER_WGMMA_ACC8(104), JAX_HOPPER_WGMMA_ACC8(112), JAX_HOPPER_WGMMA_ACC8(120) \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB))
-
 
 // D[64x128] (+)= A[64x16] * B[16x128], f32 accumulate (the ping-pong kind's tiles are
 // two of these row blocks). Same operands and immediates as the n256 form.
@@ -136,15 +138,13 @@ __device__ __forceinline__ void wgmma_m64nNk16(uint32_t (&d)[kN / 4], uint64_t d
       "},"
       " %64, %65, p, 1, 1, %67, %68;\n"
       "}\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
-        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
-        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
-        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
-        "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
-        "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
-        "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
-        "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+      : JAX_HOPPER_WGMMA_ACC8_F16X2(0), JAX_HOPPER_WGMMA_ACC8_F16X2(8), JAX_HOPPER_WGMMA_ACC8_F16X2(16),
+        JAX_HOPPER_WGMMA_ACC8_F16X2(24), JAX_HOPPER_WGMMA_ACC8_F16X2(32), JAX_HOPPER_WGMMA_ACC8_F16X2(40),
+        JAX_HOPPER_WGMMA_ACC8_F16X2(48), JAX_HOPPER_WGMMA_ACC8_F16X2(56)
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
 }
+
+#undef JAX_HOPPER_WGMMA_ACC8_F16X2
+#undef JAX_HOPPER_WGMMA_ACC8_AS
 
 }  // namespace jax_hopper::hopper
