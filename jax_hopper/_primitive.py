@@ -99,19 +99,14 @@ def _pad_axis(x, axis: int, size: int):
 
 
 def _pad_for_tma(a, b, transpose_a, transpose_b):
-    """Pads stored rows to a multiple of 8 elements. K is padded with zeros on both
-    operands (zeros add nothing to the sum); a padded M or N row tail is never read."""
+    """Pads stored rows to a multiple of 8 elements. A K-major operand's K is padded with
+    zeros (zeros add nothing to the sum); an operand whose K is its outer dimension keeps
+    its K rows, and the kernel reads zeros past them (TMA's out-of-bounds fill), so
+    jnp.dot's B [K, N] with an odd K is not copied. A padded M or N row tail is never read."""
     m, n, k, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
-    k_major_a, k_major_b = not transpose_a, transpose_b
-    k_pad = _round_up(k, TMA_ROW_MULTIPLE) if (k_major_a or k_major_b) else k
-    # Axes counted from the end: A may have more leading dims than B.
-    rows, cols = -2, -1
-    a = _pad_axis(a, rows if transpose_a else cols, k_pad)
-    b = _pad_axis(b, cols if transpose_b else rows, k_pad)
-    if transpose_a:
-        a = _pad_axis(a, cols, _round_up(m, TMA_ROW_MULTIPLE))
-    if not transpose_b:
-        b = _pad_axis(b, cols, _round_up(n, TMA_ROW_MULTIPLE))
+    # Only each stored row (the last axis) is padded; A may have more leading dims than B.
+    a = _pad_axis(a, -1, _round_up(m if transpose_a else k, TMA_ROW_MULTIPLE))
+    b = _pad_axis(b, -1, _round_up(k if transpose_b else n, TMA_ROW_MULTIPLE))
     return a, b
 
 

@@ -21,6 +21,7 @@ SHAPES = [
     (1000, 600, 520),  # partial tiles in M and N, K not a multiple of 64
     (129, 264, 72),  # one row past a tile
     (100, 101, 103),  # rows TMA cannot describe: operands padded, output stored from registers
+    (300, 256, 100),  # K unaligned, N aligned: only x is padded, w's K tail read as TMA zero fill
 ]
 
 

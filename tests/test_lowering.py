@@ -36,11 +36,29 @@ def test_cuda_lowering_is_our_custom_call(shape, dtype):
 
 
 def test_rows_tma_cannot_describe_are_padded_to_16_bytes():
+    """Only stored rows are padded: A's K (its rows) and B's N. B keeps its 103 K rows;
+    the kernel reads zeros past them (the FFI handler's contract)."""
     a = jax.ShapeDtypeStruct((100, 103), jnp.float16)  # K = 103: not a multiple of 8
     b = jax.ShapeDtypeStruct((103, 101), jnp.float16)  # N = 101
     text = lower_text(jax_hopper.matmul, a, b, platform="cuda")
-    assert re.search(rf"custom_call @{TARGET}\(.*tensor<100x104xf16>, tensor<104x104xf16>\) -> tensor<100x101xf16>",
+    assert re.search(rf"custom_call @{TARGET}\(.*tensor<100x104xf16>, tensor<103x104xf16>\) -> tensor<100x101xf16>",
                      text), text
+
+
+@pytest.mark.parametrize("layout", ["nn", "tt"])
+def test_an_odd_k_copies_only_the_k_major_operand(layout):
+    """A weight [K, N] with an odd K (jnp.dot's layout) is passed as it is: only the small
+    K-major operand is padded. Transposed, B [N, K] is padded and A [K, M] is not."""
+    m, n, k = 64, 4096, 4095
+    if layout == "nn":
+        a, b, dims, padded = (m, k), (k, n), (((1,), (0,)), ((), ())), (f"{m}x4096", f"{k}x{n}")
+    else:
+        a, b, dims, padded = (k, m), (n, k), (((0,), (1,)), ((), ())), (f"{k}x{m}", f"{n}x4096")
+    f = lambda x, y: jax_hopper.dot_general(x, y, dims)  # noqa: E731
+    text = lower_text(f, jax.ShapeDtypeStruct(a, jnp.bfloat16), jax.ShapeDtypeStruct(b, jnp.bfloat16),
+                      platform="cuda")
+    assert re.search(rf"custom_call @{TARGET}\(.*tensor<{padded[0]}xbf16>, tensor<{padded[1]}xbf16>\)", text), text
+    assert text.count("stablehlo.pad") == 1, text
 
 
 def test_aligned_operands_are_passed_without_copies():

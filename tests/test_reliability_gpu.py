@@ -176,6 +176,11 @@ BF16 = jnp.bfloat16
 FFI_MISUSE = [  # (a, b, c shape, c dtype, attributes, message)
     ((64, 32), (48, 64), (64, 64), F16, {}, "inconsistent shapes"),
     ((64, 32), (32, 64), (65, 64), F16, {}, "inconsistent shapes"),
+    # K may differ only by the K-major operand's row padding: the other one (K outer)
+    # stored up to 7 rows shorter. Longer, 8 short, or both K-outer is refused.
+    ((64, 32), (33, 64), (64, 64), F16, {}, "inconsistent shapes"),
+    ((64, 40), (32, 64), (64, 64), F16, {}, "inconsistent shapes"),
+    ((32, 64), (31, 64), (64, 64), F16, {"transpose_a": 1}, "inconsistent shapes"),
     ((64, 12), (12, 64), (64, 64), F16, {}, "not a multiple of 8"),
     ((2, 64, 32), (32, 64, 1), (64, 64), F16, {}, "rank"),
     # A [..., M, K] against a 2-D B folds its leading dims into M; C must keep them.

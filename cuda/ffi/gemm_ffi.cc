@@ -94,12 +94,20 @@ ffi::Error decode(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
   // Stored shapes: the contiguous (last) dim is the row length; the other names M/N/K.
   args.lda = da[r + 1];
   args.ldb = db[r + 1];
-  args.k = transpose_a ? da[r] : da[r + 1];
+  const int64_t k_a = transpose_a ? da[r] : da[r + 1];
   const int64_t k_b = transpose_b ? db[r + 1] : db[r];
   const bool a_rows_ok = transpose_a || da[r] == args.m;
   const bool b_rows_ok = !transpose_b || db[r] == args.n;
-  if (k_b != args.k || !a_rows_ok || !b_rows_ok)
+  // K may differ only by the K-major operand's row padding, the other one (K outer,
+  // transpose_a / !transpose_b) stored unpadded: its missing rows read as zeros.
+  const bool a_k_outer = transpose_a, b_k_outer = !transpose_b;
+  const bool k_ok = k_a == k_b || (k_b < k_a && b_k_outer && !a_k_outer && k_a - k_b < kTmaRowMultiple) ||
+                    (k_a < k_b && a_k_outer && !b_k_outer && k_b - k_a < kTmaRowMultiple);
+  if (!k_ok || !a_rows_ok || !b_rows_ok)
     return ffi::Error::InvalidArgument("jax_hopper_gemm: inconsistent shapes" + shapes());
+  args.k = std::max(k_a, k_b);
+  if (k_a < args.k) args.k_stored_a = k_a;
+  if (k_b < args.k) args.k_stored_b = k_b;
   args.batch_stride_a = da[r] * da[r + 1];
   args.batch_stride_b = db[r] * db[r + 1];
   args.batch_stride_c = args.m * args.n;

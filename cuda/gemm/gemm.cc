@@ -33,7 +33,6 @@ constexpr Instance kInstances[] = {
 #undef JAX_HOPPER_GEMM_INSTANCE
 };
 
-constexpr int64_t kTmaStrideAlignElems = 8;  // 16-byte global strides for 16-bit elements
 constexpr uintptr_t kTmaBaseAlignBytes = 16;
 constexpr int kHopperMajor = 9;
 
@@ -47,10 +46,10 @@ Status check_operand(const char* name, const void* ptr, int64_t rows, int64_t ld
   if (ld < contiguous_extent)
     return Status::Invalid(n + " row length " + std::to_string(ld) + " is shorter than its extent " +
                            std::to_string(contiguous_extent));
-  if (ld % kTmaStrideAlignElems != 0)
+  if (ld % kTmaRowMultiple != 0)
     return Status::Invalid(n + " row length " + std::to_string(ld) +
                            " is not a multiple of 8 elements (16 bytes), which TMA requires; pad it");
-  if (batch > 1 && (batch_stride < rows * ld || batch_stride % kTmaStrideAlignElems != 0))
+  if (batch > 1 && (batch_stride < rows * ld || batch_stride % kTmaRowMultiple != 0))
     return Status::Invalid(n + " batch stride " + std::to_string(batch_stride) +
                            " overlaps its matrices or is not a multiple of 8 elements");
   return Status::Ok();
@@ -140,11 +139,18 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
   }
   const bool a_k_major = args.major_a == Major::kK;
   const bool b_k_major = args.major_b == Major::kK;
-  Status st = check_operand("A", args.a, a_k_major ? args.m : args.k, args.lda, a_k_major ? args.k : args.m,
-                            args.batch, args.batch_stride_a);
+  // A shorter stored K is for the K-outer operand only: a K-major one's rows must hold k.
+  const auto k_stored_ok = [&](int64_t stored, bool k_major) {
+    return stored == 0 || (!k_major && stored > 0 && stored <= args.k);
+  };
+  if (!k_stored_ok(args.k_stored_a, a_k_major) || !k_stored_ok(args.k_stored_b, b_k_major))
+    return Status::Invalid("a stored K extent must be positive, at most K, and only on an operand whose K is its "
+                           "outer dimension");
+  Status st = check_operand("A", args.a, a_k_major ? args.m : args.k_of_a(), args.lda,
+                            a_k_major ? args.k : args.m, args.batch, args.batch_stride_a);
   if (!st.ok()) return st;
-  st = check_operand("B", args.b, b_k_major ? args.n : args.k, args.ldb, b_k_major ? args.k : args.n, args.batch,
-                     args.batch_stride_b);
+  st = check_operand("B", args.b, b_k_major ? args.n : args.k_of_b(), args.ldb, b_k_major ? args.k : args.n,
+                     args.batch, args.batch_stride_b);
   if (!st.ok()) return st;
   st = check_device();
   if (!st.ok()) return st;

@@ -18,12 +18,24 @@ enum class Activation { kNone, kRelu, kGeluTanh, kGeluErf, kSilu };
 // logically; jnp.dot's A [M, K] is K-major, its B [K, N] is MN-major.
 enum class Major { kK, kMN };
 
+// TMA needs 16-byte global strides: stored rows of 16-bit elements hold a multiple of
+// this many (the Python side pads shorter rows: _primitive.TMA_ROW_MULTIPLE).
+constexpr int64_t kTmaRowMultiple = 8;
+
 struct GemmArgs {
   const void* a = nullptr;
   const void* b = nullptr;
   void* c = nullptr;  // row-major M x N, row length ldc, of type c_dtype
   int64_t batch = 1;  // independent products, each operand's matrices batch_stride_* apart
   int64_t m = 0, n = 0, k = 0;
+  // K rows actually stored in an operand whose K is its outer (strided) dimension, when
+  // fewer than k; 0 means k. Such an operand needs no K padding for TMA: the other,
+  // K-major operand's rows are zero-padded to k, and TMA's out-of-bounds fill reads
+  // zeros past this one's extent, so the sum is the same. Saves copying a large
+  // weight [K, N] whose K is odd.
+  int64_t k_stored_a = 0, k_stored_b = 0;
+  int64_t k_of_a() const { return k_stored_a > 0 ? k_stored_a : k; }
+  int64_t k_of_b() const { return k_stored_b > 0 ? k_stored_b : k; }
   // Stored row lengths in elements: A is [M][lda] when K-major, [K][lda] when M-major;
   // B is [N][ldb] when K-major, [K][ldb] when N-major. TMA needs them to be multiples
   // of 8 (16 bytes); the logical extent may be smaller (padding columns are never read).

@@ -144,10 +144,10 @@ Status prepare_stream_k(const GemmArgs& args, cudaStream_t stream, WorkList* wor
 template <class Cfg>
 Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   CUtensorMap tmap_a, tmap_b, tmap_c = {};
-  Status st = encode_operand<typename Cfg::LayoutA>(&tmap_a, args.a, args.m, args.k, args.lda, args.batch,
+  Status st = encode_operand<typename Cfg::LayoutA>(&tmap_a, args.a, args.m, args.k_of_a(), args.lda, args.batch,
                                                     args.batch_stride_a);
   if (!st.ok()) return st;
-  st = encode_operand<typename Cfg::LayoutB>(&tmap_b, args.b, args.n, args.k, args.ldb, args.batch,
+  st = encode_operand<typename Cfg::LayoutB>(&tmap_b, args.b, args.n, args.k_of_b(), args.ldb, args.batch,
                                              args.batch_stride_b);
   if (!st.ok()) return st;
   bool tma_store = false;
