@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build, GPU tests and benchmark in one go on a Hopper machine; logs go to $1
 # (default: $OUT, else ./device-out). Extra benchmark arguments come from BENCH_ARGS,
-# extra pytest arguments from PYTEST_ARGS, test paths from TESTS; SANITIZE=1 adds the compute-sanitizer pass,
+# extra pytest arguments from PYTEST_ARGS (split on spaces), a -k expression from
+# PYTEST_K, test paths from TESTS; SANITIZE=1 adds the compute-sanitizer pass,
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those out; TEST_TIMEOUT (s, default 900) bounds the
 # tests, each file of which runs in its own process and leaves $LOG/<file>.log (with its
 # 10 slowest tests); TEST_XLA_FLAGS become XLA_FLAGS for the tests only (e.g.
@@ -49,7 +50,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     left=$((deadline - $(date +%s)))
     if [ "$left" -le 0 ]; then echo "$name: NOT RUN (TEST_TIMEOUT reached)"; rc=1; continue; fi
     XLA_FLAGS="${TEST_XLA_FLAGS:-${XLA_FLAGS:-}}" JAX_HOPPER_REQUIRE_GPU=1 timeout "$left" \
-      python3 -m pytest "$f" -q -ra --durations=10 --capture=sys ${PYTEST_ARGS:-} >"$LOG/$name.log" 2>&1
+      python3 -m pytest "$f" -q -ra --durations=10 --capture=sys ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} \
+      >"$LOG/$name.log" 2>&1
     test_rc=$?
     summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)" "$LOG/$name.log" | tail -1)
     case $test_rc in
