@@ -103,6 +103,14 @@ class Problem:
     def flops(self) -> float:
         return 2.0 * max(self.batch, 1) * self.m * self.n * self.k
 
+    @property
+    def roofline_us(self) -> float:
+        """The H200's lower bound on its time: its dense f16 peak or its HBM bandwidth
+        over the operands and output, whichever binds."""
+        b = max(self.batch, 1)
+        moved = b * ((self.m * self.k + self.k * self.n) * self.itemsize + self.m * self.n * self.out_itemsize)
+        return 1e6 * max(self.flops / H200_PEAK_FLOPS, moved / H200_PEAK_BYTES_PER_S)
+
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
@@ -112,14 +120,21 @@ class Rule:
     evidence: str  # what was measured (BENCHMARKS.md has the tables)
 
 
-# Products below this size are dominated by launch and padding costs; no measurement
-# shows our kernel ahead there (1024^3: 0.40x), so unaligned small products stay on XLA.
-MIN_UNALIGNED_KERNEL_FLOPS = 2.0 * 2048**3
+H200_PEAK_FLOPS = 989e12  # dense f16/bf16 tensor-core peak
+H200_PEAK_BYTES_PER_S = 4.8e12  # HBM3e
+
+# Unaligned products whose roofline time is below this are dominated by launch and
+# padding costs. Measured at cfd8819 (f16 and bf16, BENCHMARKS.md "unaligned rows"):
+# 1023^3 (2.2 us of roofline) loses, 0.83-0.91x; 1279^3 (4.2 us) wins 1.25x, and every
+# larger one measured wins, 1.6-3.9x: 1535^3, 2047^3-4095^3, 8191^3, 4096x4096x4095,
+# and the decode-like 16, 64, 256 and 1024 x 8192 x 8191 (28-40 us: HBM-bound, 1.9-2.7x).
+MIN_UNALIGNED_KERNEL_ROOFLINE_US = 4.0
 
 RULES: tuple[Rule, ...] = (
-    Rule("unaligned-rows", lambda p: not p.rows_aligned and p.flops >= MIN_UNALIGNED_KERNEL_FLOPS, "kernel",
-         "rows not 16-byte aligned: cuBLASLt falls to its slow kernels (8191^3 f16: 163 TF/s) while ours "
-         "pads the operands and runs at 3.7x"),
+    Rule("unaligned-rows", lambda p: not p.rows_aligned and p.roofline_us >= MIN_UNALIGNED_KERNEL_ROOFLINE_US,
+         "kernel",
+         "rows not 16-byte aligned: cuBLASLt falls to its slow kernels (8191^3 f16: 163 TF/s, 16x8192x8191: "
+         "18) while ours pads the K-major operand only and runs at 1.25-3.9x from 1279^3 up"),
     Rule("default", lambda p: True, "xla",
          "aligned shapes: our fastest f32 kernel reaches 0.95-0.98x of cuBLASLt at 4096^3-16384^3 and less on "
          "small, decode-like and short-K shapes"),

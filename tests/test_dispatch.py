@@ -40,8 +40,13 @@ def test_auto_runs_our_kernel_only_where_a_rule_measured_it_faster(dtype):
         # Aligned: XLA's dot, lowered as jax would (no custom call of ours).
         assert jax_hopper.dispatch_path(*_structs(8192, 8192, 8192, dtype), NN) == ("xla", "default")
         assert _custom_calls(8192, 8192, 8192, dtype) == []
-        # Unaligned but small: launch and padding costs dominate; XLA.
+        # Unaligned but small: launch and padding costs dominate; XLA. The threshold is a
+        # roofline time between the measured 1023^3 (a loss) and 1279^3 (a win); decode-like
+        # products reading a large B are HBM-bound and far above it.
         assert jax_hopper.dispatch_path(*_structs(100, 101, 103, dtype), NN) == ("xla", "default")
+        assert jax_hopper.dispatch_path(*_structs(1023, 1023, 1023, dtype), NN) == ("xla", "default")
+        assert jax_hopper.dispatch_path(*_structs(1279, 1279, 1279, dtype), NN) == ("kernel", "unaligned-rows")
+        assert jax_hopper.dispatch_path(*_structs(16, 8192, 8191, dtype), NN) == ("kernel", "unaligned-rows")
 
 
 def test_alignment_is_judged_on_the_stored_rows_of_each_layout():
