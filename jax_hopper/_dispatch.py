@@ -75,6 +75,10 @@ def dispatch(policy: str):
         _scoped_policy.reset(token)
 
 
+H200_PEAK_FLOPS = 989e12  # dense f16/bf16 tensor-core peak
+H200_PEAK_BYTES_PER_S = 4.8e12  # HBM3e
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """A product as the kernel would run it (after folding and layout planning)."""
@@ -104,12 +108,17 @@ class Problem:
         return 2.0 * max(self.batch, 1) * self.m * self.n * self.k
 
     @property
+    def compute_us(self) -> float:
+        """Its time at the H200's dense f16 tensor-core peak."""
+        return 1e6 * self.flops / H200_PEAK_FLOPS
+
+    @property
     def roofline_us(self) -> float:
-        """The H200's lower bound on its time: its dense f16 peak or its HBM bandwidth
-        over the operands and output, whichever binds."""
+        """The H200's lower bound on its time: the compute time or the HBM time of the
+        operands and output, whichever binds."""
         b = max(self.batch, 1)
         moved = b * ((self.m * self.k + self.k * self.n) * self.itemsize + self.m * self.n * self.out_itemsize)
-        return 1e6 * max(self.flops / H200_PEAK_FLOPS, moved / H200_PEAK_BYTES_PER_S)
+        return max(self.compute_us, 1e6 * moved / H200_PEAK_BYTES_PER_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,21 +129,33 @@ class Rule:
     evidence: str  # what was measured (BENCHMARKS.md has the tables)
 
 
-H200_PEAK_FLOPS = 989e12  # dense f16/bf16 tensor-core peak
-H200_PEAK_BYTES_PER_S = 4.8e12  # HBM3e
+# Unaligned products below this many microseconds (of compute, or of HBM traffic for
+# the decode case below) are dominated by launch and padding costs. Measured at cfd8819
+# (f16 and bf16, BENCHMARKS.md "an odd K no longer copies the weight"): 1023^3 (2.2 us
+# of compute) loses, 0.83-0.91x; 1279^3 (4.2 us) wins 1.25x, and every larger one
+# measured wins, 1.6-3.9x: 1535^3, 2047^3-4095^3, 8191^3, 4096x4096x4095, 256 and
+# 1024 x 8192 x 8191 (35 and 139 us).
+MIN_UNALIGNED_KERNEL_US = 4.0
 
-# Unaligned products whose roofline time is below this are dominated by launch and
-# padding costs. Measured at cfd8819 (f16 and bf16, BENCHMARKS.md "unaligned rows"):
-# 1023^3 (2.2 us of roofline) loses, 0.83-0.91x; 1279^3 (4.2 us) wins 1.25x, and every
-# larger one measured wins, 1.6-3.9x: 1535^3, 2047^3-4095^3, 8191^3, 4096x4096x4095,
-# and the decode-like 16, 64, 256 and 1024 x 8192 x 8191 (28-40 us: HBM-bound, 1.9-2.7x).
-MIN_UNALIGNED_KERNEL_ROOFLINE_US = 4.0
+
+def _unaligned_rows_win(p: Problem) -> bool:
+    """Rows TMA cannot describe, and enough work. At decode-sized M only where the
+    small-M kind runs (jnp.dot's layout, unbatched), which reads the weight in place and
+    is HBM-bound: 16 and 64 x 8192 x 8191 (28 us of HBM time) measured 2.4-2.5x. In the
+    other layouts or batched, such a weight is K-major and copied whole by the padding,
+    never measured: XLA."""
+    if p.rows_aligned:
+        return False
+    if p.m <= SMALL_M_MAX_ROWS:
+        return kernel_for(p) == SMALL_M_KERNEL and p.roofline_us >= MIN_UNALIGNED_KERNEL_US
+    return p.compute_us >= MIN_UNALIGNED_KERNEL_US
+
 
 RULES: tuple[Rule, ...] = (
-    Rule("unaligned-rows", lambda p: not p.rows_aligned and p.roofline_us >= MIN_UNALIGNED_KERNEL_ROOFLINE_US,
-         "kernel",
+    Rule("unaligned-rows", _unaligned_rows_win, "kernel",
          "rows not 16-byte aligned: cuBLASLt falls to its slow kernels (8191^3 f16: 163 TF/s, 16x8192x8191: "
-         "18) while ours pads the K-major operand only and runs at 1.25-3.9x from 1279^3 up"),
+         "18 TF/s) while ours pads only the short rows and runs at 1.25-3.9x from 1279^3 up and 2.4-2.5x on "
+         "decode-like products in jnp.dot's layout"),
     Rule("default", lambda p: True, "xla",
          "aligned shapes: our fastest f32 kernel reaches 0.95-0.98x of cuBLASLt at 4096^3-16384^3 and less on "
          "small, decode-like and short-K shapes"),

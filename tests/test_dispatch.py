@@ -47,6 +47,9 @@ def test_auto_runs_our_kernel_only_where_a_rule_measured_it_faster(dtype):
         assert jax_hopper.dispatch_path(*_structs(1023, 1023, 1023, dtype), NN) == ("xla", "default")
         assert jax_hopper.dispatch_path(*_structs(1279, 1279, 1279, dtype), NN) == ("kernel", "unaligned-rows")
         assert jax_hopper.dispatch_path(*_structs(16, 8192, 8191, dtype), NN) == ("kernel", "unaligned-rows")
+        # ... but not where that weight is K-major (x @ W.T): the padding would copy it whole.
+        x, w_t = jax.ShapeDtypeStruct((16, 8191), dtype), jax.ShapeDtypeStruct((8192, 8191), dtype)
+        assert jax_hopper.dispatch_path(x, w_t, (((1,), (1,)), ((), ()))) == ("xla", "default")
 
 
 def test_alignment_is_judged_on_the_stored_rows_of_each_layout():

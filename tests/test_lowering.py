@@ -51,13 +51,13 @@ def test_an_odd_k_copies_only_the_k_major_operand(layout):
     K-major operand is padded. Transposed, B [N, K] is padded and A [K, M] is not."""
     m, n, k = 64, 4096, 4095
     if layout == "nn":
-        a, b, dims, padded = (m, k), (k, n), (((1,), (0,)), ((), ())), (f"{m}x4096", f"{k}x{n}")
+        a, b, dims, passed = (m, k), (k, n), (((1,), (0,)), ((), ())), (f"{m}x4096", f"{k}x{n}")
     else:
-        a, b, dims, padded = (k, m), (n, k), (((0,), (1,)), ((), ())), (f"{k}x{m}", f"{n}x4096")
+        a, b, dims, passed = (k, m), (n, k), (((0,), (1,)), ((), ())), (f"{k}x{m}", f"{n}x4096")
     f = lambda x, y: jax_hopper.dot_general(x, y, dims)  # noqa: E731
     text = lower_text(f, jax.ShapeDtypeStruct(a, jnp.bfloat16), jax.ShapeDtypeStruct(b, jnp.bfloat16),
                       platform="cuda")
-    assert re.search(rf"custom_call @{TARGET}\(.*tensor<{padded[0]}xbf16>, tensor<{padded[1]}xbf16>\)", text), text
+    assert re.search(rf"custom_call @{TARGET}\(.*tensor<{passed[0]}xbf16>, tensor<{passed[1]}xbf16>\)", text), text
     assert text.count("stablehlo.pad") == 1, text
 
 

@@ -33,7 +33,7 @@ SHAPES = [
     (3000, 1, 256),  # N = 1 (padded row of B)
     (300, 200, 40),  # K < 64
     (64, 64, 8),  # K = 8: a single wgmma's worth, mostly zero-filled tile
-    (64, 64, 1),  # K = 1: zero-padded to one TMA row
+    (64, 64, 1),  # K = 1: A zero-padded to one TMA row, B's one K row read with zero fill past it
     (1, 1, 1),
     (100, 101, 103),  # rows TMA cannot describe: padded to 16 bytes
     (300, 256, 100),  # K rows unaligned, N aligned: only A is padded, B's K tail read as TMA zero fill

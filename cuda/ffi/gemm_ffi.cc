@@ -51,7 +51,10 @@ ffi::Error to_ffi(const Status& st) {
 //  a rank-2 b: a's and c's rows are contiguous, so their leading dims fold into M here
 //  (a reshape in the lowering would have to name explicit mesh shardings it cannot keep).
 //  A stored row may be longer than its logical extent: the Python side pads rows to the
-//  16-byte multiple TMA needs and those columns are not read. c is a's type, or f32.
+//  16-byte multiple TMA needs. Padded M/N columns are never read; a K-major operand's
+//  padded K columns are (zeros, from the Python side), and then the other operand, if
+//  its K is the outer dimension, may hold 1-7 fewer K rows than that padded K: TMA
+//  reads zeros past them. c is a's type, or f32.
 ffi::Error decode(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer>& c, int32_t transpose_a,
                   int32_t transpose_b, GemmArgs& args) {
   const auto shapes = [&] {
