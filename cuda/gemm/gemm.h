@@ -38,7 +38,8 @@ struct GemmArgs {
   int64_t k_of_b() const { return k_stored_b > 0 ? k_stored_b : k; }
   // Stored row lengths in elements: A is [M][lda] when K-major, [K][lda] when M-major;
   // B is [N][ldb] when K-major, [K][ldb] when N-major. TMA needs them to be multiples
-  // of 8 (16 bytes); the logical extent may be smaller (padding columns are never read).
+  // of 8 (16 bytes); the logical extent may be smaller (padded M/N columns are never
+  // read; padded K columns of a K-major operand are, and must hold zeros).
   int64_t lda = 0, ldb = 0, ldc = 0;
   int64_t batch_stride_a = 0, batch_stride_b = 0, batch_stride_c = 0;  // in elements
   ElementType dtype = ElementType::kF16;  // of A and B
