@@ -1,5 +1,5 @@
 """A handful of small products with partial tiles in M, N and K, for compute-sanitizer:
-every kernel kind, f16/bf16, 16-bit and f32 outputs, transposed layouts, a batch."""
+every kernel kind, f16/bf16, 16-bit and f32 outputs, transposed layouts, a batch, odd K."""
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,9 @@ CASES = [  # (kernel, dtype, batch, m, n, k, transpose_a, transpose_b, out_dtype
     ("persistent_f16acc", jnp.float16, 2, 600, 264, 136, True, True, jnp.float32),
     ("small_m", jnp.float16, 0, 16, 1000, 4160, False, False, None),  # K split 8 ways, warps past M idle
     ("small_m", jnp.bfloat16, 0, 100, 264, 520, False, False, jnp.float32),  # two M tiles, f32 out
+    # Odd K: the K-outer operand keeps its K rows and TMA zero-fills past them.
+    ("persistent", jnp.float16, 0, 300, 256, 101, False, False, None),  # B [K, N] short of padded K
+    ("persistent", jnp.bfloat16, 2, 130, 264, 517, True, True, None),  # A [K, M] short, per batch entry
 ]
 
 for kernel, dtype, batch, m, n, k, ta, tb, out_dtype in CASES:
