@@ -54,7 +54,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   const int cta_rank = Cfg::kClusterM > 1 ? static_cast<int>(hopper::cluster_cta_rank()) : 0;
   const int64_t cluster = blockIdx.x / Cfg::kClusterM;  // V5: one tile per CTA, one unit
-  const int warpgroup = hopper::warpgroup_index();
+  // A warp-uniform index puts the consumers' wgmma descriptors in uniform registers:
+  // 88 -> 48 instructions per warp per K tile, +1-3% kernel time (BENCHMARKS.md). The
+  // fused kind's epilogue (32 bytes) and the kPersistentTma ablation's (16) would then
+  // spill, so those two keep the plain index.
+  constexpr bool kPlainIndex = Cfg::kFusedEpilogue || Cfg::kKind == KernelKind::kPersistentTma;
+  const int warpgroup = kPlainIndex ? hopper::warpgroup_index() : hopper::warpgroup_index_uniform();
   if (warpgroup == Cfg::kConsumerWarpgroups) {
     if constexpr (Cfg::kProducerWarpgroup) hopper::setmaxnreg_dec<Cfg::kProducerRegisters>();
     if (threadIdx.x % Cfg::kProducerThreads == 0) {

@@ -86,13 +86,16 @@ struct Mainloop {
   // warpgroup, A's 64-row slices a_slice, a_slice + 1, ... against the tile's B.
   // `accumulate` false starts a fresh sum.
   __device__ static void mma_k_tile(const typename Storage::Stage& stage, int a_slice, Acc& acc, bool accumulate) {
+    // Two descriptors built per K tile; every wgmma's is one of them plus a constant.
+    const uint64_t desc_a0 = LayoutA::template descriptor<Cfg::kMmaK>(stage.a, a_slice, 0);
+    const uint64_t desc_b0 = LayoutB::template descriptor<Cfg::kMmaK>(stage.b, 0, 0);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kMmasPerKTile; ++kk) {
-      const uint64_t desc_b = LayoutB::template descriptor<Cfg::kMmaK>(stage.b, 0, kk);
+      const uint64_t desc_b = desc_b0 + LayoutB::template descriptor_offset<Cfg::kMmaK>(0, kk);
       const int scale_d = (accumulate || kk > 0) ? 1 : 0;
 #pragma unroll
       for (int mb = 0; mb < Cfg::kMmaBlocksM; ++mb) {
-        const uint64_t desc_a = LayoutA::template descriptor<Cfg::kMmaK>(stage.a, a_slice + mb, kk);
+        const uint64_t desc_a = desc_a0 + LayoutA::template descriptor_offset<Cfg::kMmaK>(mb, kk);
         hopper::wgmma_m64nNk16<Element, LayoutA::kTranspose, LayoutB::kTranspose, Cfg::kBlockN>(
             block(acc, mb), desc_a, desc_b, scale_d);
       }

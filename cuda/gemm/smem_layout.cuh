@@ -67,6 +67,17 @@ struct OperandLayout {
     return hopper::make_smem_desc(base, kLeadingByteOffset, kStrideByteOffset);
   }
 
+  // The same descriptor as an offset from the one for slice 0, K step 0: the start
+  // address is the descriptor's low field (in 16-byte units, 14 bits: shared memory
+  // addresses below 256 KB never carry out of it), so one 64-bit add of this
+  // compile-time constant moves a descriptor, where rebuilding it from the pointer costs
+  // a shift, masks and the uniform-register moves for every wgmma.
+  template <int kMmaK>
+  static constexpr uint64_t descriptor_offset(int slice, int k_step) {
+    return (static_cast<uint64_t>(slice) * kBytesPer64Rows + static_cast<uint64_t>(k_step) * k_step_bytes<kMmaK>()) >>
+           4;
+  }
+
   // TMA box `box` of the tile whose first M/N row is mn0 and first K element is k0
   // (the batch coordinate is passed through unchanged).
   __device__ static void box_coords(int box, int mn0, int k0, int32_t& inner, int32_t& outer) {

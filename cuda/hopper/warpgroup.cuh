@@ -10,6 +10,13 @@ constexpr int kWarpgroupSize = 128;
 constexpr int kWarpsPerWarpgroup = kWarpgroupSize / kWarpSize;
 
 __device__ __forceinline__ int warpgroup_index() { return threadIdx.x / kWarpgroupSize; }
+// The same, broadcast from lane 0 (every lane of the warp must be active): a value the
+// compiler can prove warp-uniform, so what is derived from it (a consumer's A slice,
+// hence its wgmma descriptors) lives in uniform registers instead of being computed per
+// thread and moved over (R2UR) for every wgmma.
+__device__ __forceinline__ int warpgroup_index_uniform() {
+  return __shfl_sync(0xffffffffu, warpgroup_index(), 0);
+}
 __device__ __forceinline__ int thread_in_warpgroup() { return threadIdx.x % kWarpgroupSize; }
 __device__ __forceinline__ int lane_index() { return threadIdx.x % kWarpSize; }
 
