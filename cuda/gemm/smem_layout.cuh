@@ -69,7 +69,8 @@ struct OperandLayout {
 
   // The same descriptor as an offset from the one for slice 0, K step 0: the start
   // address is the descriptor's low field (in 16-byte units, 14 bits: shared memory
-  // addresses below 256 KB never carry out of it), so one 64-bit add of this
+  // addresses below 256 KB never carry out of it, and launch.cuh asserts the kernel's
+  // shared memory fits the 227 KB a block may have), so one 64-bit add of this
   // compile-time constant moves a descriptor, where rebuilding it from the pointer costs
   // a shift, masks and the uniform-register moves for every wgmma.
   template <int kMmaK>
