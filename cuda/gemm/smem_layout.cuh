@@ -58,25 +58,27 @@ struct OperandLayout {
     return kKMajor ? kMmaK * sizeof(Element) : kMmaK * kSwizzleBytes;
   }
 
-  // Descriptor for the wgmma that reads rows [64*slice, 64*slice + mma rows) and K
-  // elements [16*k_step, 16*k_step + 16) of this tile.
+  // Where the wgmma that reads rows [64*slice, 64*slice + mma rows) and K elements
+  // [16*k_step, 16*k_step + 16) of this tile starts, in bytes from the tile.
+  template <int kMmaK>
+  static constexpr uint32_t operand_offset(int slice, int k_step) {
+    return slice * kBytesPer64Rows + k_step * k_step_bytes<kMmaK>();
+  }
+
+  // That wgmma's descriptor.
   template <int kMmaK>
   __device__ static uint64_t descriptor(const Element* tile, int slice, int k_step) {
-    const char* base = reinterpret_cast<const char*>(tile) + slice * kBytesPer64Rows +
-                       k_step * k_step_bytes<kMmaK>();
+    const char* base = reinterpret_cast<const char*>(tile) + operand_offset<kMmaK>(slice, k_step);
     return hopper::make_smem_desc(base, kLeadingByteOffset, kStrideByteOffset);
   }
 
-  // The same descriptor as an offset from the one for slice 0, K step 0: the start
-  // address is the descriptor's low field (in 16-byte units, 14 bits: shared memory
-  // addresses below 256 KB never carry out of it, and launch.cuh asserts the kernel's
-  // shared memory fits the 227 KB a block may have), so one 64-bit add of this
-  // compile-time constant moves a descriptor, where rebuilding it from the pointer costs
-  // a shift, masks and the uniform-register moves for every wgmma.
+  // The same descriptor as a compile-time offset from the one for slice 0, K step 0:
+  // one 64-bit add moves a descriptor, where rebuilding it from the pointer costs a
+  // shift, masks and the uniform-register moves for every wgmma (launch.cuh asserts the
+  // kernel's shared memory fits a block's 227 KB, so the add never carries).
   template <int kMmaK>
   static constexpr uint64_t descriptor_offset(int slice, int k_step) {
-    return (static_cast<uint64_t>(slice) * kBytesPer64Rows + static_cast<uint64_t>(k_step) * k_step_bytes<kMmaK>()) >>
-           4;
+    return hopper::smem_desc_advance(operand_offset<kMmaK>(slice, k_step));
   }
 
   // TMA box `box` of the tile whose first M/N row is mn0 and first K element is k0

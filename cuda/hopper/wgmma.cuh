@@ -15,14 +15,21 @@ namespace jax_hopper::hopper {
 // leading/stride byte offsets (all >> 4) and the swizzle mode in bits 62-63.
 enum class SmemSwizzle : uint64_t { k128B = 1 };
 
+constexpr int kSmemDescUnitShift = 4;  // addresses and offsets in 16-byte units
 __device__ __forceinline__ uint64_t make_smem_desc(const void* ptr, uint32_t leading_byte_offset,
                                                    uint32_t stride_byte_offset) {
-  constexpr uint64_t kFieldMask = 0x3FFF;  // 14-bit fields, in 16-byte units
+  constexpr uint64_t kFieldMask = 0x3FFF;  // 14-bit fields
   const uint64_t addr = smem_addr(ptr);
-  return ((addr >> 4) & kFieldMask) | (((leading_byte_offset >> 4) & kFieldMask) << 16) |
-         (((stride_byte_offset >> 4) & kFieldMask) << 32) |
+  return ((addr >> kSmemDescUnitShift) & kFieldMask) |
+         (((leading_byte_offset >> kSmemDescUnitShift) & kFieldMask) << 16) |
+         (((stride_byte_offset >> kSmemDescUnitShift) & kFieldMask) << 32) |
          (static_cast<uint64_t>(SmemSwizzle::k128B) << 62);
 }
+
+// What to add to a descriptor to move its start address `bytes` further: the address
+// is the low field, so a plain add does it as long as the sum stays in the field's 14
+// bits (shared memory below 256 KB; a block has at most 227 KB).
+constexpr uint64_t smem_desc_advance(uint64_t bytes) { return bytes >> kSmemDescUnitShift; }
 
 // Orders this warpgroup's register/shared accesses before the wgmma that follows.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
