@@ -30,8 +30,8 @@ from jax import lax
 from jax.interpreters import ad
 
 from jax_hopper import _dispatch
-from jax_hopper._fallback import ACTIVATION_FNS, dense_like_jnp, gemm_reference
-from jax_hopper._fused import dense_p, fused_dense
+from jax_hopper._fallback import ACTIVATION_FNS, activation_grad_reference, dense_like_jnp, gemm_reference
+from jax_hopper._fused import dense_grad_p, dense_p, fused_dense
 from jax_hopper._primitive import gemm, gemm_p
 from jax_hopper._sharding import is_explicit, merge_drops_explicit_sharding, padded_spec
 
@@ -191,3 +191,16 @@ def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
 
 
 ad.primitive_jvps[dense_p] = _dense_jvp
+
+
+# ---- the backward form (differentiated again: second-order gradients of jax_hopper.mlp)
+# dz = (g w^T) * act'(z) keeps the kernel's value; its tangent is that of the f32
+# reference arithmetic (act'' by jax), in the operands' type.
+def _dense_grad_jvp(primals, tangents, *, activation):
+    y = dense_grad_p.bind(*primals, activation=activation)
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    _, dy = jax.jvp(lambda g, w, z: activation_grad_reference(g, w, z, activation=activation), primals, tangents)
+    return y, dy
+
+
+ad.primitive_jvps[dense_grad_p] = _dense_grad_jvp

@@ -1,4 +1,5 @@
-"""vmap rule for the GEMM primitive: every vmapped product is one batched launch.
+"""vmap rules for the GEMM primitive (every vmapped product is one batched launch) and the
+fused dense primitives.
 
 Where the memory layout allows, a vmapped operand against an unbatched one joins A's
 leading dims (A stored [..., M, K] against a rank-2 B: folded into M on each device) or
@@ -18,8 +19,8 @@ import jax.numpy as jnp
 from jax.interpreters import batching
 
 from jax_hopper import _dispatch
-from jax_hopper._fallback import dense_reference
-from jax_hopper._fused import dense_p
+from jax_hopper._fallback import activation_grad_reference, dense_reference
+from jax_hopper._fused import dense_grad_p, dense_p
 from jax_hopper._primitive import SMALL_M_KERNEL, gemm_p, stages_of
 from jax_hopper._sharding import merge_drops_explicit_sharding
 
@@ -99,3 +100,20 @@ def _dense_batch_rule(args, dims, *, activation, has_bias, has_residual):
 
 
 batching.primitive_batchers[dense_p] = _dense_batch_rule
+
+
+def _dense_grad_batch_rule(args, dims, *, activation):
+    """vmap over the backward form: a vmapped g and z against a shared w join their
+    leading dims (one launch); per-example weights take the reference arithmetic."""
+    g, w, z = args
+    dg, dw, dz = dims
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
+    if dw is NOT_MAPPED:
+        return dense_grad_p.bind(_to_front(g, dg, size), w, _to_front(z, dz, size), activation=activation), 0
+    def reference(g, w, z):
+        return activation_grad_reference(g, w, z, activation=activation)
+
+    return jax.vmap(reference)(*[_to_front(a, d, size) for a, d in zip(args, dims)]), 0
+
+
+batching.primitive_batchers[dense_grad_p] = _dense_grad_batch_rule

@@ -230,6 +230,25 @@ def choose_dense(problem: Problem, activation: str | None, policy: str | None = 
     return choose(problem, policy)
 
 
+# The MLP's backward form (ops.mlp): dz1 = (dy w2^T) * act'(z1) in one launch of our
+# gradient kind (problem: dy w2^T, w2 read as stored [F, D]), against XLA's product
+# and then its elementwise pass. Not yet measured on the H200: "auto" sends it where
+# the plain product goes (our kernel only where the table picks it: unaligned rows).
+def fused_activation_grad_wins(p: Problem, activation: str | None) -> bool:
+    del p, activation
+    return False
+
+
+def choose_activation_grad(problem: Problem, activation: str | None, policy: str | None = None) -> tuple[str, str]:
+    """(path, rule) for the MLP's backward form (problem: dy w2^T)."""
+    policy = current_policy() if policy is None else policy
+    if problem.n % 2:  # the kernel reads z1 in pairs
+        return "xla", "odd-hidden-width"
+    if policy == "auto" and fused_activation_grad_wins(problem, activation):
+        return _runnable("kernel", "fused-activation-grad")
+    return choose(problem, policy)
+
+
 def choose(problem: Problem, policy: str | None = None) -> tuple[str, str]:
     """(path, rule name) for one product under `policy` (default: the current one)."""
     policy = current_policy() if policy is None else policy

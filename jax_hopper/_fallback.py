@@ -57,6 +57,25 @@ def dense_like_jnp(x, w, bias, residual, *, activation):
     return y if residual is None else y + residual
 
 
+def activation_derivative(z, activation):
+    """act'(z), elementwise, in z's type: jax's own derivative of the activation."""
+    return jax.jvp(ACTIVATION_FNS[activation], (z,), (jnp.ones_like(z),))[1]
+
+
+def activation_grad_reference(g, w, z, *, activation):
+    """(g @ w^T) * act'(z) with the backward-form kernel's arithmetic: g [..., M, K], w
+    [N, K], z [..., M, N]; the f32 product times act'(z) in f32, one rounding to g's type."""
+    dh = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (dh * activation_derivative(z.astype(jnp.float32), activation)).astype(g.dtype)
+
+
+def activation_grad_like_jnp(g, w, z, *, activation):
+    """The same as jnp's backward pass computes it: the product g @ w^T rounded to the
+    16-bit type, then the activation's VJP at z on 16-bit values."""
+    dh = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())))
+    return jax.vjp(ACTIVATION_FNS[activation], z)[1](dh)[0]
+
+
 def dense_epilogue(z, bias, residual, *, activation, dtype):
     """act(z + bias) + residual in f32 for an f32 product z, rounded once to dtype."""
     if bias is not None:

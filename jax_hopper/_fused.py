@@ -1,4 +1,5 @@
-"""The fused dense primitive: C = act(A @ B + bias) + residual in one kernel launch.
+"""The fused dense primitive, C = act(A @ B + bias) + residual in one kernel launch, and
+its backward form for an MLP's hidden layer, dz = (g @ w^T) * act'(z).
 
 The bias add, the activation and the residual add run on the f32 accumulator in the
 kernel's epilogue (cuda/gemm/epilogue.cuh: FusedOps) before the single rounding to the
@@ -17,7 +18,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_hopper import _ffi
-from jax_hopper._fallback import ACTIVATION_FNS, dense_reference
+from jax_hopper._fallback import ACTIVATION_FNS, activation_grad_reference, dense_reference
 from jax_hopper._primitive import (
     KERNEL_DTYPES,
     _match_varying_axes,
@@ -25,7 +26,7 @@ from jax_hopper._primitive import (
     jitted_bind,
     require_devices_at_lowering,
 )
-from jax_hopper._sharding import dense_lowering, output_sharding
+from jax_hopper._sharding import dense_lowering, local_only_lowering, output_sharding
 
 # As the FFI handler numbers them (cuda/ffi/gemm_ffi.cc: kActivations).
 ACTIVATIONS = {None: 0, "relu": 1, "gelu_tanh": 2, "gelu_exact": 3, "silu": 4}
@@ -77,7 +78,8 @@ def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
     x, w = _pad_for_tma(x, w, False, False)
     call = jax.ffi.ffi_call(_ffi.GEMM_FUSED_TARGET, jax.ShapeDtypeStruct(out_shape, x.dtype))
     return call(x, w, bias if has_bias else _absent(x.dtype), residual if has_residual else _absent(x.dtype),
-                transpose_a=np.int32(0), transpose_b=np.int32(0), activation=np.int32(ACTIVATIONS[activation]))
+                transpose_a=np.int32(0), transpose_b=np.int32(0), activation=np.int32(ACTIVATIONS[activation]),
+                activation_grad=np.int32(0))
 
 
 def _eager_impl(*args, **params):
@@ -102,3 +104,60 @@ def fused_dense(x, w, bias=None, residual=None, *, activation=None):
                                    _absent(x.dtype) if residual is None else residual)
     return dense_p.bind(*operands, activation=activation, has_bias=bias is not None,
                         has_residual=residual is not None)
+
+
+# ---- the backward form: dz = (g @ w^T) * act'(z) --------------------------------------
+# The cotangent of an MLP's hidden pre-activation (jax_hopper.mlp's backward pass): g
+# [..., M, K] is the second layer's output cotangent, w [N, K] that layer's weight as
+# stored (read K-major, no transposing copy), z [..., M, N] the first layer's saved
+# pre-activation. The kernel multiplies the f32 product by act'(z) in its epilogue and
+# rounds once (cuBLASLt's DGELU epilogue; XLA runs the product and then a separate
+# elementwise pass). N must be even (z is read two elements at a time): the FFI handler
+# refuses odd N, and the lowering computes those through XLA. Programs spanning several
+# devices lower to XLA's computation, which XLA partitions (there are no partitioning
+# rules for this primitive). Its derivatives (a second-order gradient) are XLA's.
+dense_grad_p = Primitive("jax_hopper_dense_activation_grad")
+
+
+def _grad_abstract_eval(g, w, z, *, activation):
+    if activation not in ACTIVATIONS or activation is None:
+        raise ValueError(f"jax_hopper_dense_activation_grad: needs an activation, got {activation!r}")
+    if g.ndim < 2 or w.ndim != 2 or g.shape[-1] != w.shape[1] or z.shape != g.shape[:-1] + (w.shape[0],):
+        raise ValueError(f"jax_hopper_dense_activation_grad: inconsistent shapes g{list(g.shape)}, "
+                         f"w{list(w.shape)}, z{list(z.shape)}")
+    if not (g.dtype == w.dtype == z.dtype) or g.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"jax_hopper_dense_activation_grad takes operands of one type, f16 or bf16; got g {g.dtype}, "
+                        f"w {w.dtype}, z {z.dtype}")
+    return g.update(shape=z.shape, dtype=g.dtype, weak_type=False)
+
+
+def _grad_default_impl(g, w, z, *, activation):
+    return activation_grad_reference(g, w, z, activation=activation)
+
+
+def _grad_cuda_impl(g, w, z, *, activation):
+    reason = _ffi.kernel_unavailable_reason()
+    if reason is not None:
+        _ffi.warn_no_kernel_once(reason)
+        return _grad_default_impl(g, w, z, activation=activation)
+    if z.shape[-1] % 2:  # the kernel reads z in pairs (see above)
+        return _grad_default_impl(g, w, z, activation=activation)
+    g, w = _pad_for_tma(g, w, False, True)
+    call = jax.ffi.ffi_call(_ffi.GEMM_FUSED_TARGET, jax.ShapeDtypeStruct(z.shape, z.dtype))
+    return call(g, w, _absent(z.dtype), z, transpose_a=np.int32(0), transpose_b=np.int32(1),
+                activation=np.int32(ACTIVATIONS[activation]), activation_grad=np.int32(1))
+
+
+def _grad_eager_impl(*args, **params):
+    return jitted_bind(dense_grad_p, **params)(*args)
+
+
+dense_grad_p.def_impl(_grad_eager_impl)
+dense_grad_p.def_abstract_eval(_grad_abstract_eval)
+mlir.register_lowering(dense_grad_p, local_only_lowering(_grad_default_impl, _grad_default_impl))
+mlir.register_lowering(dense_grad_p, local_only_lowering(_grad_cuda_impl, _grad_default_impl), platform="cuda")
+
+
+def fused_activation_grad(g, w, z, *, activation):
+    """Binds the backward form for g [..., M, K], w [N, K], z [..., M, N] of one 16-bit type."""
+    return dense_grad_p.bind(*_match_varying_axes(g, w, z), activation=activation)

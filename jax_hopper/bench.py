@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 import jax_hopper
 from jax_hopper import _dispatch, _ffi
-from jax_hopper._fallback import ACTIVATION_FNS
+from jax_hopper._fallback import ACTIVATION_FNS, activation_grad_like_jnp
+from jax_hopper._fused import fused_activation_grad
 from jax_hopper._primitive import DEFAULT_KERNEL, KERNELS, gemm
 
 L2_BYTES = 60 * 2**20  # H200
@@ -338,14 +339,15 @@ def bench_tp_mlp(tokens, d_model, d_ff, dtype_name, n_devices, progress):
     } for name in variants]
 
 
-def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
-    """A transformer MLP block, y = gelu(x W1 + b1) W2 + b2 + x, as jax_hopper.dense
-    (bias, GELU and residual fused into the kernel; our kernel forced) against the same
-    block in plain jnp (XLA fuses what it can into cuBLASLt's epilogues). Forward alone,
-    a training step (gradients of all parameters), and the forward's parts one by one:
-    each dense with its epilogue, and each product with no epilogue at all (what the
-    fused epilogue costs on top of the plain kernel). Kernel time (all kernels of the
-    call) and sustained."""
+def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh"):
+    """A transformer MLP block, y = act(x W1 + b1) W2 + b2 + x, as jax_hopper.dense
+    (bias, activation and residual fused into the kernel; our kernel forced) and as
+    jax_hopper.mlp (the same, plus act' fused into the backward pass's dh product)
+    against the same block in plain jnp (XLA fuses what it can into cuBLASLt's
+    epilogues). Forward alone, a training step (gradients of all parameters), the
+    forward's parts one by one (each dense with its epilogue, each product with no
+    epilogue: what the fused epilogue costs on top of the plain kernel) and the
+    backward form alone. Kernel time (all kernels of the call) and sustained."""
     dtype = DTYPES[dtype_name]
     keys = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(keys[0], (tokens, d_model), jnp.float32).astype(dtype)
@@ -353,14 +355,19 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
               (0.1 * jax.random.normal(keys[2], (d_ff,), jnp.float32)).astype(dtype),
               (jax.random.normal(keys[3], (d_ff, d_model), jnp.float32) / d_ff**0.5).astype(dtype),
               (0.1 * jax.random.normal(keys[4], (d_model,), jnp.float32)).astype(dtype))
-    hidden = jax.nn.gelu(x @ params[0] + params[1])  # the second dense's input, for its own rows
+    act = ACTIVATION_FNS[activation]
+    pre = x @ params[0] + params[1]  # the first layer's pre-activation (the backward form's z)
+    hidden = act(pre)  # the second dense's input, for its own rows
 
     def block(x, p):
-        h = jax_hopper.dense(x, p[0], p[1], activation="gelu_tanh")
+        h = jax_hopper.dense(x, p[0], p[1], activation=activation)
         return jax_hopper.dense(h, p[2], p[3], residual=x)
 
+    def mlp_op(x, p):
+        return jax_hopper.mlp(x, p[0], p[1], p[2], p[3], activation=activation, residual=x)
+
     def plain(x, p):
-        return jax.nn.gelu(x @ p[0] + p[1]) @ p[2] + p[3] + x
+        return act(x @ p[0] + p[1]) @ p[2] + p[3] + x
 
     def train(block):
         # 0.5 * sum(y^2): dy = y, unit scale (a mean would scale dy by 1/(tokens d_model),
@@ -371,14 +378,23 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress):
     # our kernel on every product, the backward ones included (the policy is read while
     # jit traces, the derivative too); "jax_hopper auto" is what a user gets by default:
     # the dispatcher's choice for each product.
-    dense1 = lambda xh, p: jax_hopper.dense(xh[0], p[0], p[1], activation="gelu_tanh")  # noqa: E731
+    dense1 = lambda xh, p: jax_hopper.dense(xh[0], p[0], p[1], activation=activation)  # noqa: E731
     dense2 = lambda xh, p: jax_hopper.dense(xh[1], p[2], p[3], residual=xh[0])  # noqa: E731
     steps = {
         "forward": ({"jax_hopper": _kernel_forced(block), "jax_hopper auto": _auto(block), "jnp": plain}, x, 2),
         "train": ({"jax_hopper": _kernel_forced(train(block)), "jax_hopper auto": _auto(train(block)),
                    "jnp": train(plain)}, x, 5),  # + dW2, dh and dW1 (no gradient for x)
-        "dense1 bias+gelu": ({"jax_hopper": _kernel_forced(dense1), "jax_hopper auto": _auto(dense1),
-                              "jnp": lambda xh, p: jax.nn.gelu(xh[0] @ p[0] + p[1])}, (x, hidden), 1),
+        "train mlp op": ({"jax_hopper": _kernel_forced(train(mlp_op)), "jax_hopper auto": _auto(train(mlp_op)),
+                          "jnp": train(plain)}, x, 5),
+        # dz1 = (dy W2^T) * act'(z1): the backward form (one launch) against jnp's product and
+        # elementwise pass; x stands in for dy (same shape, unit scale), z1 is the real one.
+        "dz1 backward form": ({"jax_hopper": lambda dz, p: fused_activation_grad(dz[0], p[2], dz[1],
+                                                                                 activation=activation),
+                               "jnp": lambda dz, p: activation_grad_like_jnp(dz[0], p[2], dz[1],
+                                                                             activation=activation)},
+                              (x, pre), 1),
+        f"dense1 bias+{activation}": ({"jax_hopper": _kernel_forced(dense1), "jax_hopper auto": _auto(dense1),
+                                       "jnp": lambda xh, p: act(xh[0] @ p[0] + p[1])}, (x, hidden), 1),
         "dense2 bias+resid": ({"jax_hopper": _kernel_forced(dense2),
                                "jnp": lambda xh, p: xh[1] @ p[2] + p[3] + xh[0]}, (x, hidden), 1),
         "x@W1 no epilogue": ({"jax_hopper": _kernel_forced(lambda xh, p: jax_hopper.matmul(xh[0], p[0])),
@@ -510,6 +526,8 @@ def main(argv=None):
     p.add_argument("--devices", type=int, default=2, help="devices for --tp-mlp")
     p.add_argument("--mlp", default="", help="comma-separated TOKENSxDMODELxDFF MLP blocks (dense + bias + GELU + "
                    "dense + bias + residual), fused jax_hopper.dense vs plain jnp, forward and training step")
+    p.add_argument("--mlp-activation", default="gelu_tanh", choices=[a for a in ACTIVATION_FNS if a],
+                   help="the --mlp block's activation")
     p.add_argument("--dense", default="", help="comma-separated TOKENSxINxOUT dense layers act(x W + b): our fused "
                    "kernel and the dispatcher's choice vs plain jnp, for each of --activations")
     p.add_argument("--activations", default="gelu_tanh", help="comma-separated activations for --dense: none, relu, "
@@ -566,7 +584,8 @@ def main(argv=None):
     for text in filter(None, args.mlp.split(",")):
         tokens, d_model, d_ff = (int(x) for x in text.lower().split("x"))
         for d in dtypes:
-            mlp_rows = bench_mlp(tokens, d_model, d_ff, d, lambda: print(".", end="", file=sys.stderr, flush=True))
+            mlp_rows = bench_mlp(tokens, d_model, d_ff, d, lambda: print(".", end="", file=sys.stderr, flush=True),
+                                 args.mlp_activation)
             print(file=sys.stderr)
             print_table(mlp_rows)
             rows.extend(mlp_rows)

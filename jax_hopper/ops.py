@@ -368,3 +368,51 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     x2 = x.reshape(1, k) if x.ndim == 1 else x
     r2 = None if residual is None else residual.reshape(x2.shape[:-1] + (n,))
     return fused_dense(x2, w, bias, r2, activation=activation).reshape(out_shape)
+
+
+def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
+    """A transformer MLP block, ``act(x @ w1 + b1) @ w2 + b2 + residual``, whose backward
+    pass fuses the activation's derivative into the epilogue of the product that
+    produces the hidden layer's cotangent (dh = dy w2^T; cuBLASLt's DGELU epilogue,
+    which jnp's block does not get).
+
+    x [..., D], w1 [D, F], b1 [F] or None, w2 [F, N], b2 [N] or None, residual [..., N]
+    or None; activation None, "relu", "gelu_tanh" (jax.nn.gelu's default), "gelu_exact"
+    or "silu". Undifferentiated it is ``dense(dense(x, w1, b1, activation=...), w2, b2,
+    residual=residual)``; differentiated (reverse mode only: jax.grad, jax.vjp) the
+    forward saves the pre-activation z1 = x w1 + b1 and act(z1) in the operands' type,
+    as jnp's block does, and the backward form runs on our kernel where the dispatcher
+    picks it (policy "kernel": always, for an even F). Each product is dispatched like
+    a plain one. Operands of one 16-bit type use this path; anything else is computed
+    as jnp would.
+    """
+    from jax_hopper._fallback import dense_like_jnp
+    from jax_hopper._fused import ACTIVATIONS
+    from jax_hopper._mlp import mlp_block
+
+    operands = {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "residual": residual}
+    for name, v in operands.items():
+        if v is not None and not _is_array(v):
+            raise TypeError(f"jax_hopper.mlp: {name} must be a jax or numpy array, got {type(v).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"jax_hopper.mlp: activation must be None or one of "
+                         f"{sorted(a for a in ACTIVATIONS if a)}, got {activation!r}")
+    described = ", ".join(f"{n} {_describe(v)}" for n, v in operands.items() if v is not None)
+    if (np.ndim(x) < 1 or np.ndim(w1) != 2 or np.ndim(w2) != 2 or np.shape(x)[-1] != np.shape(w1)[0] or
+            np.shape(w1)[1] != np.shape(w2)[0]):
+        raise ValueError(f"jax_hopper.mlp: needs x [..., D], w1 [D, F] and w2 [F, N]; got {described}")
+    f, n = np.shape(w2)
+    out_shape = tuple(np.shape(x)[:-1]) + (n,)
+    for name, v, shape in (("b1", b1, (f,)), ("b2", b2, (n,)), ("residual", residual, out_shape)):
+        if v is not None and tuple(np.shape(v)) != shape:
+            raise ValueError(f"jax_hopper.mlp: {name} must be {list(shape)}; got {described}")
+    dtype, weak = jax.dtypes.result_type(*(v for v in operands.values() if v is not None),
+                                         return_weak_type_flag=True)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"jax_hopper.mlp: floating-point operands only; got {described}")
+    if weak or jnp.dtype(dtype) not in KERNEL_DTYPES or 0 in np.shape(x) + np.shape(w2) + (np.shape(w1)[0],):
+        h = dense_like_jnp(x, w1, b1, None, activation=activation)
+        return dense_like_jnp(h, w2, b2, residual, activation=None)
+    x, w1, w2 = (jnp.asarray(v, dtype) for v in (x, w1, w2))
+    b1, b2, residual = (None if v is None else jnp.asarray(v, dtype) for v in (b1, b2, residual))
+    return mlp_block(x, w1, b1, w2, b2, residual, activation)

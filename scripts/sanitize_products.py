@@ -53,3 +53,16 @@ for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_tanh"), (jnp.b
         out = jax.jit(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation=act, residual=a[3]))(x, w, bias, res)
     out.block_until_ready()
     print("dense", dtype.__name__, m, n, k, act, "done", flush=True)
+
+# The backward form, dz = (g @ w^T) * act'(z), on partial tiles: odd K (g and w padded),
+# N = 102 (register stores, z read in pairs up to the row's end).
+from jax_hopper._fused import fused_activation_grad  # noqa: E402
+
+for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_exact"), (jnp.bfloat16, (100, 102, 103), "relu")]:
+    ka, kb, kc = jax.random.split(jax.random.key(m * k + n), 3)
+    g = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
+    w = jax.random.normal(kb, (n, k), jnp.float32).astype(dtype)
+    z = jax.random.normal(kc, (m, n), jnp.float32).astype(dtype)
+    out = jax.jit(lambda *a: fused_activation_grad(*a, activation=act))(g, w, z)
+    out.block_until_ready()
+    print("activation grad", dtype.__name__, m, n, k, act, "done", flush=True)

@@ -66,17 +66,24 @@ FUSED_MISUSE = [  # (bias shape, residual shape, c shape, attributes, message)
     ((0,), (64, 65), (64, 64), {}, "residual must be"),
     ((0,), (0,), (64, 64), {"activation": 9}, "unknown activation"),
     ((0,), (0,), (2, 64, 64), {}, "rank"),
+    # The backward form (activation_grad = 1) needs z (the residual slot), an activation,
+    # no bias, and an even N.
+    ((0,), (0,), (64, 64), {"activation": 2, "activation_grad": 1}, "needs the pre-activation"),
+    ((0,), (64, 64), (64, 64), {"activation_grad": 1}, "needs the pre-activation"),
+    ((64,), (64, 64), (64, 64), {"activation": 2, "activation_grad": 1}, "needs the pre-activation"),
+    ((0,), (0,), (64, 64), {"activation_grad": 2}, "activation_grad must be"),
 ]
 
 
 @pytest.mark.parametrize("bias_shape,res_shape,c_shape,attrs,match", FUSED_MISUSE,
-                         ids=[m[-1].replace(" ", "_") for m in FUSED_MISUSE])
+                         ids=[f"{i}-" + m[-1].replace(" ", "_") for i, m in enumerate(FUSED_MISUSE)])
 def test_fused_handler_rejects_inconsistent_calls(hopper, bias_shape, res_shape, c_shape, attrs, match):
     """Called directly (bypassing the Python checks), the fused handler answers a
     malformed call with an error instead of reading bias/residual out of bounds."""
     import numpy as np
 
-    params = {"transpose_a": np.int32(0), "transpose_b": np.int32(0), "activation": np.int32(0)}
+    params = {"transpose_a": np.int32(0), "transpose_b": np.int32(0), "activation": np.int32(0),
+              "activation_grad": np.int32(0)}
     params.update({k: np.int32(v) for k, v in attrs.items()})
     call = jax.ffi.ffi_call("jax_hopper_gemm_fused", jax.ShapeDtypeStruct(c_shape, F16))
     operands = [jnp.ones((64, 32), F16), jnp.ones((32, 64), F16), jnp.ones(bias_shape, F16), jnp.ones(res_shape, F16)]

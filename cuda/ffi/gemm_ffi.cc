@@ -154,10 +154,12 @@ constexpr int32_t kNumActivations = sizeof(kActivations) / sizeof(kActivations[0
 
 // The fused product C = act(A * B + bias) + residual: the contract of GemmImpl for a 2-D
 // b (a [M, K] or [..., M, K]) with an output of the operands' type, plus bias [N] and
-// residual (c's shape) of that type, each passed as an empty array when absent.
+// residual (c's shape) of that type, each passed as an empty array when absent. With
+// activation_grad = 1, the backward form C = (A * B) * act'(residual) instead (the
+// residual is the pre-activation z; gemm.h: GemmArgs::activation_grad).
 ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
                          ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> c, int32_t transpose_a,
-                         int32_t transpose_b, int32_t activation) {
+                         int32_t transpose_b, int32_t activation, int32_t activation_grad) {
   GemmArgs args;
   if (ffi::Error err = decode(a, b, c, transpose_a, transpose_b, args); err.failure()) return err;
   const auto type = a.element_type();
@@ -180,8 +182,11 @@ ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
   if (activation < 0 || activation >= kNumActivations)
     return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: unknown activation " + std::to_string(activation));
   args.activation = kActivations[activation];
+  if (activation_grad != 0 && activation_grad != 1)
+    return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: activation_grad must be 0 or 1");
+  args.activation_grad = activation_grad == 1;
   KernelChoice choice;
-  choice.kind = KernelKind::kPersistentFused;
+  choice.kind = args.activation_grad ? KernelKind::kPersistentFusedGrad : KernelKind::kPersistentFused;
   return to_ffi(gemm(args, choice, stream));
 }
 
@@ -210,4 +215,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFused, jax_hopper::GemmFusedImpl,
                                   .Ret<ffi::AnyBuffer>()  // c
                                   .Attr<int32_t>("transpose_a")
                                   .Attr<int32_t>("transpose_b")
-                                  .Attr<int32_t>("activation"));
+                                  .Attr<int32_t>("activation")
+                                  .Attr<int32_t>("activation_grad"));

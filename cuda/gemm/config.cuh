@@ -35,7 +35,10 @@ struct GemmConfig {
   // Epilogue: accumulators -> shared memory -> TMA store (asynchronous: the consumers
   // go on to the next tile while the copy engine writes this one), or straight from
   // registers to global memory (the seed's).
-  static constexpr bool kFusedEpilogue = kKind == KernelKind::kPersistentFused;
+  // Fused epilogue: bias, activation and residual (FusedOps), or, in the gradient kind,
+  // only the backward form acc * act'(z) (so neither kind carries the other's paths).
+  static constexpr bool kActivationGrad = kKind == KernelKind::kPersistentFusedGrad;
+  static constexpr bool kFusedEpilogue = kKind == KernelKind::kPersistentFused || kActivationGrad;
   // The tail wave split along K over the clusters (tile_scheduler.cuh: WorkList).
   static constexpr bool kStreamK = kKind == KernelKind::kPersistentStreamK || kSmallM;
   // Pieces one tile's K range may be cut into (a finisher sums the others' partials).

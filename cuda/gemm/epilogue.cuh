@@ -149,7 +149,9 @@ struct DirectStoreEpilogue {
 
 // The fused epilogue's arithmetic, on the f32 accumulator before any rounding:
 // acc = act(acc + bias[col]) + residual[row][col] (cuBLASLt's bias/activation epilogues
-// plus a residual add). One loop per activation, so the choice is not re-made per element.
+// plus a residual add), or in the backward form acc = acc * act'(z[row][col]) with the
+// forward's pre-activation z read where the residual would be (cuBLASLt's DGELU).
+// One loop per activation and form, so the choice is not re-made per element.
 // The activations run on both consumer warpgroups at once while the tensor cores idle,
 // so they use the SFU's ex2/rcp approximations where the answer stays far below 16-bit
 // rounding: 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)) exactly, and ex2.approx / rcp.approx
@@ -167,21 +169,57 @@ struct FusedOps {
   // gives 0 for an infinite denominator (x finite), the limit.
   __device__ static float times_sigmoid(float x, float y) { return __fdividef(x, 1.0f + __expf(-y)); }
 
+  // GELU(tanh) is z sigmoid(y(z)), y = 2 sqrt(2/pi) (z + kCubic z^3).
+  static constexpr float kTwoSqrt2OverPi = 2.0f * 0.7978845608028654f;
+  static constexpr float kCubic = 0.044715f;
+  static constexpr float kInvSqrt2 = 0.7071067811865476f;
+  static constexpr float kInvSqrt2Pi = 0.3989422804014327f;  // the standard normal density at 0
+
   template <Activation kAct>
   __device__ static float activate(float v) {
     if constexpr (kAct == Activation::kRelu) {
       return fmaxf(v, 0.0f);
     } else if constexpr (kAct == Activation::kGeluTanh) {  // jax.nn.gelu(approximate=True)
-      constexpr float kTwoSqrt2OverPi = 2.0f * 0.7978845608028654f;
-      constexpr float kCubic = 0.044715f;
       return times_sigmoid(v, kTwoSqrt2OverPi * fmaf(kCubic * v, v * v, v));
     } else if constexpr (kAct == Activation::kGeluErf) {  // jax.nn.gelu(approximate=False)
-      constexpr float kInvSqrt2 = 0.7071067811865476f;
       return 0.5f * v * (1.0f + erff(v * kInvSqrt2));
     } else if constexpr (kAct == Activation::kSilu) {  // jax.nn.silu: x * sigmoid(x)
       return times_sigmoid(v, v);
     } else {
       return v;
+    }
+  }
+
+  // sigmoid(y) on the SFU with denormals flushed: ex2.approx.ftz and rcp.approx.ftz.
+  // The plain forms add a range check and a rescale each, and their predicates and
+  // registers made the backward form spill. Flushing changes a result only where
+  // sigmoid(y) < 2^-126 (y < -87): act'(z) is then below about 2^-119 and the
+  // product is 0 instead of that tiny a multiple of g.
+  __device__ static float sigmoid_ftz(float y) {
+    constexpr float kMinusLog2E = -1.4426950408889634f;
+    float e, s;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(y * kMinusLog2E));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + e));
+    return s;
+  }
+
+  // The backward form: the cotangent g of act(z) times act'(z), on the SFU as above.
+  // ReLU selects, as jax.nn.relu's derivative does (0 at z = 0, and an infinite g stays out).
+  template <Activation kAct>
+  __device__ static float times_derivative(float g, float z) {
+    if constexpr (kAct == Activation::kRelu) {
+      return z > 0.0f ? g : 0.0f;
+    } else if constexpr (kAct == Activation::kGeluTanh) {  // s + z s (1 - s) y'(z), s = sigmoid(y(z))
+      const float s = sigmoid_ftz(kTwoSqrt2OverPi * fmaf(kCubic * z, z * z, z));
+      const float dy = kTwoSqrt2OverPi * fmaf(3.0f * kCubic * z, z, 1.0f);
+      return g * fmaf(z * s * (1.0f - s), dy, s);
+    } else if constexpr (kAct == Activation::kGeluErf) {  // Phi(z) + z phi(z)
+      return g * fmaf(z * kInvSqrt2Pi, __expf(-0.5f * z * z), 0.5f * (1.0f + erff(z * kInvSqrt2)));
+    } else if constexpr (kAct == Activation::kSilu) {  // s + z s (1 - s) = s (1 + z (1 - s)), s = sigmoid(z)
+      const float s = sigmoid_ftz(z);
+      return g * s * fmaf(z, 1.0f - s, 1.0f);
+    } else {
+      return g;
     }
   }
 
@@ -254,7 +292,7 @@ struct FusedOps {
   // with has_bias) holds the tile's bias pairs, 0 past n. The residual is read a chunk
   // of column blocks at a time, every load of the chunk issued before its first use.
   static constexpr int kResidualChunk = 4;  // column blocks: 8 loads (8 registers) in flight
-  template <Activation kAct, bool kPaired>
+  template <Activation kAct, bool kGrad, bool kPaired>
   __device__ static void apply_as(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
                                   const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias) {
     static_assert(Direct::kColBlocks % kResidualChunk == 0, "whole chunks of column blocks");
@@ -290,23 +328,47 @@ struct FusedOps {
                                   : make_float2(-0.0f, -0.0f);  // x + (-0) = x: a -0 product stays -0
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const float2 add = unpack(res[i][half]);
+          const float2 loaded = unpack(res[i][half]);  // the residual, or z in the backward form
           float& v0 = acc[4 * j + 2 * half];
           float& v1 = acc[4 * j + 2 * half + 1];
-          v0 = activate<kAct>(v0 + b.x) + add.x;
-          v1 = activate<kAct>(v1 + b.y) + add.y;
+          if constexpr (kGrad) {
+            v0 = times_derivative<kAct>(v0, loaded.x);
+            v1 = times_derivative<kAct>(v1, loaded.y);
+          } else {
+            v0 = activate<kAct>(v0 + b.x) + loaded.x;
+            v1 = activate<kAct>(v1 + b.y) + loaded.y;
+          }
         }
       }
     }
   }
 
-  template <Activation kAct>
+  template <Activation kAct, bool kGrad>
   __device__ static void apply_as(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
                                   const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias) {
-    if (out.paired_inputs) {
-      apply_as<kAct, true>(acc, out, row0, col0, bias_smem, has_bias);
+    // The backward form reads paired elements only (the host refuses it otherwise): the
+    // single-element reads' extra registers would spill next to its arithmetic.
+    if (kGrad || out.paired_inputs) {
+      apply_as<kAct, kGrad, true>(acc, out, row0, col0, bias_smem, has_bias);
     } else {
-      apply_as<kAct, false>(acc, out, row0, col0, bias_smem, has_bias);
+      apply_as<kAct, false, false>(acc, out, row0, col0, bias_smem, has_bias);
+    }
+  }
+
+  template <bool kGrad>
+  __device__ static void apply_form(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
+                                    const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias) {
+    switch (out.activation) {
+      case Activation::kRelu:
+        return apply_as<Activation::kRelu, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
+      case Activation::kGeluTanh:
+        return apply_as<Activation::kGeluTanh, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
+      case Activation::kGeluErf:
+        return apply_as<Activation::kGeluErf, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
+      case Activation::kSilu:
+        return apply_as<Activation::kSilu, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
+      default:  // no activation: the forward form only (the host refuses a gradient of none)
+        if constexpr (!kGrad) apply_as<Activation::kNone, false>(acc, out, row0, col0, bias_smem, has_bias);
     }
   }
 
@@ -321,18 +383,7 @@ struct FusedOps {
       bias_smem[hopper::thread_in_warpgroup()] = bias_pair;
       hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
     }
-    switch (out.activation) {
-      case Activation::kRelu:
-        return apply_as<Activation::kRelu>(acc, out, row0, col0, bias_smem, has_bias);
-      case Activation::kGeluTanh:
-        return apply_as<Activation::kGeluTanh>(acc, out, row0, col0, bias_smem, has_bias);
-      case Activation::kGeluErf:
-        return apply_as<Activation::kGeluErf>(acc, out, row0, col0, bias_smem, has_bias);
-      case Activation::kSilu:
-        return apply_as<Activation::kSilu>(acc, out, row0, col0, bias_smem, has_bias);
-      default:
-        return apply_as<Activation::kNone>(acc, out, row0, col0, bias_smem, has_bias);
-    }
+    apply_form<Cfg::kActivationGrad>(acc, out, row0, col0, bias_smem, has_bias);
   }
 };
 

@@ -102,6 +102,8 @@ const char* kind_name(KernelKind kind) {
       return "small_m";
     case KernelKind::kPersistentPingpong:
       return "persistent_pingpong";
+    case KernelKind::kPersistentFusedGrad:
+      return "persistent_fused_grad";
   }
   return "unknown";
 }
@@ -118,8 +120,11 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
   if (args.ldc < args.n) return Status::Invalid("C row length is shorter than N");
   if (args.batch > 1 && args.batch_stride_c < args.m * args.ldc) return Status::Invalid("C batch entries overlap");
   const size_t c_bytes = args.c_f32 ? sizeof(float) : 2;
-  const bool fused_kind = choice.kind == KernelKind::kPersistentFused;
+  const bool grad_kind = choice.kind == KernelKind::kPersistentFusedGrad;
+  const bool fused_kind = choice.kind == KernelKind::kPersistentFused || grad_kind;
   if (args.fused() && !fused_kind) return Status::Invalid("bias, residual or activation need the fused kernel");
+  if (args.activation_grad != grad_kind)
+    return Status::Invalid("an activation gradient needs the gradient kernel, and only it computes one");
   if (choice.kind == KernelKind::kPersistentF16Acc && args.dtype != ElementType::kF16)
     return Status::Invalid("f16 accumulation takes f16 operands (wgmma has no bf16 accumulator)");
   if (fused_kind) {
@@ -128,6 +133,12 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
     if (args.k == 0) return Status::Invalid("the fused kernel needs K > 0 (its epilogue is not a zero fill)");
     if (args.residual != nullptr && args.ld_residual < args.n)
       return Status::Invalid("residual row length is shorter than N");
+    // Even lengths: the backward form reads z two elements at a time (FusedOps::apply_as).
+    if (args.activation_grad && (args.residual == nullptr || args.bias != nullptr ||
+                                 args.activation == Activation::kNone || args.n % 2 != 0 ||
+                                 args.ld_residual % 2 != 0))
+      return Status::Invalid("an activation gradient needs the pre-activation (residual) with even N and row length, "
+                             "an activation and no bias");
   }
   if (args.k == 0) {  // empty sums: C = 0
     for (int64_t b = 0; b < args.batch; ++b) {

@@ -49,11 +49,19 @@ struct GemmArgs {
   // Fused epilogue (KernelKind::kPersistentFused only): C = act(A*B + bias) + residual,
   // computed on the f32 accumulator, rounded once. bias is [N], residual [M][ld_residual],
   // both of the operands' type; either may be null.
+  // With activation_grad (KernelKind::kPersistentFusedGrad only), the backward form
+  // instead: C = (A*B) * act'(residual), the residual holding a forward layer's
+  // pre-activation z and A*B the cotangent of act(z) (a backward pass's dh = dy W2^T
+  // times gelu'(z1): cuBLASLt's DGELU epilogue). Needs a residual with an even row
+  // length, an even N, an activation, and no bias.
   const void* bias = nullptr;
   const void* residual = nullptr;
   int64_t ld_residual = 0;
   Activation activation = Activation::kNone;
-  bool fused() const { return bias != nullptr || residual != nullptr || activation != Activation::kNone; }
+  bool activation_grad = false;
+  bool fused() const {
+    return bias != nullptr || residual != nullptr || activation != Activation::kNone || activation_grad;
+  }
   // Device memory that lives until the kernel has run on `stream` (the FFI handler's
   // scratch allocator); null where nothing can be allocated. Used by the stream-K kind.
   std::function<void*(size_t bytes)> allocate_workspace;
@@ -70,6 +78,8 @@ struct GemmArgs {
 //                      (setmaxnreg, 384 threads): the default
 //  kPersistentWait0  kPersistent with wait_group(0) instead of one wgmma group in flight
 //  kPersistentFused  kPersistent with the fused epilogue (bias, activation, residual)
+//  kPersistentFusedGrad kPersistent with the fused epilogue's backward form, C times
+//                      act'(z) (GemmArgs::activation_grad)
 //  kPersistentStreamK kPersistent whose last, partial wave of tiles is split along K
 //                      over all clusters (stream-K for the tail; experimental)
 //  kPersistentF16Acc  opt-in, f16 only: the tutorial's final version -- 256x256 tiles,
@@ -92,7 +102,8 @@ enum class KernelKind {
   kPersistentStreamK,
   kPersistentF16Acc,
   kSmallM,
-  kPersistentPingpong
+  kPersistentPingpong,
+  kPersistentFusedGrad
 };
 
 // Compile-time kernel parameters that are selectable at run time (each choice is an

@@ -1,0 +1,92 @@
+"""A whole MLP block, y = act(x w1 + b1) w2 + b2 + residual, whose backward pass fuses the
+activation's derivative into the epilogue of the product that needs it.
+
+In a block built from two `dense` calls, the hidden layer's cotangent is computed in two
+passes: the second layer's transpose product dh = dy w2^T, then act'(z1) * dh (jnp's
+block does the same: XLA does not fuse a derivative into cuBLASLt's epilogue). Only
+code that sees both layers can put act'(z1) into that product's epilogue, so the block
+is one custom_vjp:
+
+  forward     z1 = x w1 + b1           (dense: bias fused; saved, in the operands' type)
+              h  = act(z1)             (XLA, 16-bit, as jnp's block; saved)
+              y  = h w2 + b2 + r       (dense: bias and residual fused)
+  backward    dz1 = (dy w2^T) * act'(z1)    one launch of the backward form, reading
+                                            w2 as stored (_fused.dense_grad_p)
+              dw2 = h^T dy, dw1 = x^T dz1, dx = dz1 w1^T   (products, dispatched)
+              db2, db1: row sums of dy and dz1 (f32 sums, one XLA pass each), dr = dy
+
+Every product goes through the dispatcher as in `dense`; the backward form is picked
+by choose_activation_grad (our kernel where it was measured faster than XLA's product
+plus its elementwise pass). Without differentiation the block is the two fused `dense`
+calls (the activation then fused into the first one's epilogue, on the f32 sum).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_hopper import _dispatch
+from jax_hopper._autodiff import _contracting_leading_dims, _product, _sharding_of
+from jax_hopper._fallback import ACTIVATION_FNS, activation_grad_like_jnp
+from jax_hopper._fused import fused_activation_grad
+from jax_hopper._sharding import is_explicit
+
+
+def _dense(x, w, b, activation=None, residual=None):
+    from jax_hopper.ops import dense
+
+    return dense(x, w, b, activation=activation, residual=residual)
+
+
+def _row_sum(t, dtype):
+    """A bias gradient: t summed over every dim but the last, in f32, rounded once."""
+    return jnp.sum(t, axis=tuple(range(t.ndim - 1)), dtype=jnp.float32).astype(dtype)
+
+
+def _hidden_cotangent(dy, w2, z1, activation):
+    """dz1 = (dy w2^T) * act'(z1): the backward form where the dispatcher picks it, else
+    XLA's product and the activation's VJP on 16-bit values (jnp's own two passes)."""
+    if activation is None:
+        return _product(dy, w2, transpose_b=True, like=z1)
+    rows = math.prod(dy.shape[:-1])
+    problem = _dispatch.problem_of((rows, dy.shape[-1]), w2.shape, dy.dtype, dy.dtype, False, True)
+    explicit = any(is_explicit(_sharding_of(v)) for v in (dy, w2, z1))
+    if not explicit and _dispatch.choose_activation_grad(problem, activation)[0] == "kernel":
+        return fused_activation_grad(dy, w2, z1, activation=activation)
+    return activation_grad_like_jnp(dy, w2, z1, activation=activation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def mlp_block(x, w1, b1, w2, b2, residual, activation):
+    """The block for validated operands of one 16-bit type (ops.mlp); b1, b2 and residual
+    may be None."""
+    h = _dense(x, w1, b1, activation)
+    return _dense(h, w2, b2, residual=residual)
+
+
+def _forward(x, w1, b1, w2, b2, residual, activation):
+    z1 = _dense(x, w1, b1)
+    h = ACTIVATION_FNS[activation](z1)
+    y = _dense(h, w2, b2, residual=residual)
+    # Which optional operands there were, as empty arrays (residuals must be arrays).
+    present = tuple(None if v is None else jnp.zeros((0,), x.dtype) for v in (b1, b2, residual))
+    return y, (x, w1, w2, z1, h, present)
+
+
+def _backward(activation, saved, dy):
+    x, w1, w2, z1, h, (has_b1, has_b2, has_residual) = saved
+    dy = dy.astype(x.dtype)
+    dw2 = _contracting_leading_dims(h, dy, like=w2)
+    dz1 = _hidden_cotangent(dy, w2, z1, activation)
+    dw1 = _contracting_leading_dims(x, dz1, like=w1)
+    dx = _product(dz1, w1, transpose_b=True, like=x)
+    db1 = None if has_b1 is None else _row_sum(dz1, x.dtype)
+    db2 = None if has_b2 is None else _row_sum(dy, x.dtype)
+    return dx, dw1, db1, dw2, db2, None if has_residual is None else dy
+
+
+mlp_block.defvjp(_forward, _backward)

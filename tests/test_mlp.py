@@ -1,0 +1,218 @@
+"""jax_hopper.mlp (an MLP block whose backward pass fuses act' into a product's epilogue):
+semantics, gradients, lowering, vmap, validation. CPU tests; the kernel's own numerics
+are in test_mlp_gpu.py.
+
+Gradients are compared with those of the same block in f32 (f32 operands made from the
+same 16-bit values). A 16-bit block cannot match that exactly: jnp's own block rounds
+z1, h, the cotangents and every product to 16 bits. The op promises the same roundings
+as jnp's block (or fewer: the backward form rounds dh * act'(z1) once), so its error
+may be at most ERROR_FACTOR times that of jnp's block on the same inputs (the slack for
+a different f32 summation order), while a wrong derivative, a lost bias gradient or a
+missing residual path is far outside it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import cuda_text, relative_error, seed_normal
+from test_dense import ACTIVATIONS, F32_ACT
+
+import jax_hopper
+from jax_hopper import _dispatch
+from jax_hopper._fallback import activation_derivative, activation_grad_like_jnp, activation_grad_reference
+
+ERROR_FACTOR = 1.5
+ARGNUMS = (0, 1, 2, 3, 4)  # x, w1, b1, w2, b2
+
+
+def block_operands(lead, d, f, dtype, seed=0):
+    kx, k1, kb1, k2, kb2 = jax.random.split(jax.random.key(seed), 5)
+    x = seed_normal(kx, tuple(lead) + (d,), dtype, d)
+    w1 = seed_normal(k1, (d, f), dtype, d)
+    b1 = jax.random.normal(kb1, (f,), jnp.float32).astype(dtype)
+    w2 = seed_normal(k2, (f, d), dtype, f)
+    b2 = jax.random.normal(kb2, (d,), jnp.float32).astype(dtype)
+    return x, w1, b1, w2, b2
+
+
+def plain_block(activation):
+    """The block as a jnp user writes it (residual: x)."""
+    def block(x, w1, b1, w2, b2):
+        return F32_ACT[activation](x @ w1 + b1) @ w2 + b2 + x
+    return block
+
+
+def ours(activation):
+    def block(x, w1, b1, w2, b2):
+        return jax_hopper.mlp(x, w1, b1, w2, b2, activation=activation, residual=x)
+    return block
+
+
+def loss(block):
+    # 0.5 sum(y^2): dy = y, unit scale (a mean would push 16-bit cotangents to underflow).
+    return lambda *p: 0.5 * jnp.sum(block(*p).astype(jnp.float32) ** 2)
+
+
+def grads(block, operands, dtype=None):
+    if dtype is not None:
+        operands = [v.astype(dtype) for v in operands]
+    return jax.jit(jax.grad(loss(block), argnums=ARGNUMS))(*operands)
+
+
+def assert_gradients_as_accurate_as_jnp(mine, operands, activation):
+    exact = grads(plain_block(activation), operands, jnp.float32)
+    jnp_own = grads(plain_block(activation), operands)
+    for name, g, j, e in zip(("x", "w1", "b1", "w2", "b2"), mine, jnp_own, exact):
+        assert g.shape == e.shape and g.dtype == operands[0].dtype, name
+        err, err_jnp = relative_error(g, e), relative_error(j, e)
+        assert err <= ERROR_FACTOR * err_jnp + 1e-6, f"d{name}: {err:.3e} vs jnp's block {err_jnp:.3e}"
+
+
+# Policy "kernel" binds the backward form (on a CPU its reference arithmetic runs).
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+def test_gradients(activation, dtype, policy):
+    operands = block_operands((2, 40), 24, 72, dtype, seed=3)
+    with jax_hopper.dispatch(policy):
+        mine = grads(ours(activation), operands)
+    assert_gradients_as_accurate_as_jnp(mine, operands, activation)
+
+
+def test_value_is_two_fused_dense_layers():
+    x, w1, b1, w2, b2 = block_operands((48,), 32, 64, jnp.bfloat16)
+    out = jax.jit(ours("gelu_exact"))(x, w1, b1, w2, b2)
+    two = jax.jit(lambda x, w1, b1, w2, b2: jax_hopper.dense(
+        jax_hopper.dense(x, w1, b1, activation="gelu_exact"), w2, b2, residual=x))(x, w1, b1, w2, b2)
+    assert out.dtype == jnp.bfloat16 and out.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(two, np.float32))
+
+
+@pytest.mark.parametrize("b1,b2,residual", [(False, False, False), (True, False, True), (False, True, False)])
+def test_optional_operands_and_their_gradients(b1, b2, residual):
+    x, w1, bias1, w2, bias2 = block_operands((40,), 24, 56, jnp.float16, seed=5)
+
+    def f(x, w1, bias1, w2, bias2):
+        y = jax_hopper.mlp(x, w1, bias1 if b1 else None, w2, bias2 if b2 else None, activation="silu",
+                           residual=x if residual else None)
+        return 0.5 * jnp.sum(y.astype(jnp.float32) ** 2)
+
+    def g(x, w1, bias1, w2, bias2):
+        y = F32_ACT["silu"](x @ w1 + (bias1 if b1 else 0)) @ w2 + (bias2 if b2 else 0) + (x if residual else 0)
+        return 0.5 * jnp.sum(y ** 2)
+
+    operands = (x, w1, bias1, w2, bias2)
+    mine = jax.jit(jax.grad(f, argnums=ARGNUMS))(*operands)
+    exact = jax.grad(g, argnums=ARGNUMS)(*[v.astype(jnp.float32) for v in operands])
+    for name, m, e, used in zip(("x", "w1", "b1", "w2", "b2"), mine, exact, (True, True, b1, True, b2)):
+        if used:
+            assert relative_error(m, e) < 2e-2, name  # 16-bit intermediates (see the exact rule above)
+        else:
+            assert not np.asarray(m).any(), f"d{name} of an absent operand must be zero"
+
+
+def test_vmap_matches_per_example():
+    x, w1, b1, w2, b2 = block_operands((3, 16), 24, 40, jnp.float16, seed=7)
+    f = jax.vmap(lambda x: jax_hopper.mlp(x, w1, b1, w2, b2, activation="relu", residual=x))
+    out = jax.jit(f)(x)
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(
+            jax_hopper.mlp(x[i], w1, b1, w2, b2, activation="relu", residual=x[i])))
+    dx = jax.jit(jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32))))(x)
+    assert dx.shape == x.shape and bool(jnp.isfinite(dx).all())
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+def test_second_order_gradient(policy):
+    """grad of grad runs through the backward form's own derivative (its reference's)."""
+    operands = block_operands((16,), 8, 24, jnp.float16, seed=11)
+
+    def gnorm(block, dtype=None):
+        def f(*p):
+            g = jax.grad(loss(block), argnums=1)(*p)
+            return jnp.sum(g.astype(jnp.float32) ** 2)
+        ops = operands if dtype is None else [v.astype(dtype) for v in operands]
+        with jax_hopper.dispatch(policy):
+            return jax.jit(jax.grad(f, argnums=0))(*ops)
+
+    exact = gnorm(plain_block("gelu_tanh"), jnp.float32)
+    err, err_jnp = (relative_error(gnorm(b), exact) for b in (ours("gelu_tanh"), plain_block("gelu_tanh")))
+    assert err <= ERROR_FACTOR * err_jnp + 1e-6, f"{err:.3e} vs jnp's {err_jnp:.3e}"
+
+
+def test_kernel_policy_fuses_the_derivative_into_the_backward_product():
+    operands = block_operands((256,), 128, 512, jnp.bfloat16)
+    with jax_hopper.dispatch("kernel"):
+        text = cuda_text(jax.grad(loss(ours("gelu_tanh")), argnums=ARGNUMS), *operands)
+    calls = re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
+    # forward: x w1 + b1 and h w2 + b2 + x fused; backward: the backward form, h^T dy,
+    # x^T dz1 and dz1 w1^T.
+    assert sorted(calls) == ["jax_hopper_gemm"] * 3 + ["jax_hopper_gemm_fused"] * 3, calls
+    assert len(re.findall(r"activation_grad = 1 ", text)) == 1
+    assert "dot_general" not in text
+
+
+def test_odd_hidden_width_takes_xla_for_the_backward_form():
+    problem = _dispatch.problem_of((256, 128), (513, 128), jnp.float16, jnp.float16, False, True)
+    assert _dispatch.choose_activation_grad(problem, "silu", "kernel") == ("xla", "odd-hidden-width")
+    operands = block_operands((64,), 16, 33, jnp.float16)
+    with jax_hopper.dispatch("kernel"):
+        text = cuda_text(jax.grad(loss(ours("silu")), argnums=ARGNUMS), *operands)
+    assert "activation_grad = 1 " not in text
+    with jax_hopper.dispatch("kernel"):
+        mine = grads(ours("silu"), operands)
+    assert_gradients_as_accurate_as_jnp(mine, operands, "silu")
+
+
+def test_activation_derivatives_are_jax_own():
+    z = jnp.linspace(-12.0, 12.0, 97, dtype=jnp.float32)
+    for activation in ACTIVATIONS:
+        expected = jax.vmap(jax.grad(F32_ACT[activation]))(z)
+        np.testing.assert_allclose(activation_derivative(z, activation), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_form_references_agree():
+    kg, kw, kz = jax.random.split(jax.random.key(1), 3)
+    g = seed_normal(kg, (2, 20, 32), jnp.bfloat16, 32)
+    w = seed_normal(kw, (48, 32), jnp.bfloat16, 32)
+    z = (2.0 * jax.random.normal(kz, (2, 20, 48), jnp.float32)).astype(jnp.bfloat16)
+    exact = jnp.einsum("bmk,nk->bmn", g.astype(jnp.float32), w.astype(jnp.float32), precision="highest") * \
+        jax.vmap(jax.grad(F32_ACT["gelu_exact"]))(z.astype(jnp.float32).ravel()).reshape(z.shape)
+    fused = activation_grad_reference(g, w, z, activation="gelu_exact")
+    two_pass = activation_grad_like_jnp(g, w, z, activation="gelu_exact")
+    assert relative_error(fused, exact) <= ERROR_FACTOR * relative_error(exact.astype(jnp.bfloat16), exact)
+    assert relative_error(two_pass, exact) < 2 * 2.0**-8
+
+
+def test_other_types_are_computed_as_jnp():
+    x, w1, b1, w2, b2 = block_operands((8,), 8, 16, jnp.float32)
+    np.testing.assert_allclose(jax_hopper.mlp(x, w1, b1, w2, b2, activation="silu"),
+                               jax.nn.silu(x @ w1 + b1) @ w2 + b2, rtol=1e-5, atol=1e-5)
+
+
+MISUSE = [
+    (dict(w1=np.zeros((9, 16), np.float16)), ValueError, "needs x"),
+    (dict(w2=np.zeros((15, 8), np.float16)), ValueError, "needs x"),
+    (dict(b1=np.zeros((15,), np.float16)), ValueError, "b1 must be"),
+    (dict(b2=np.zeros((9,), np.float16)), ValueError, "b2 must be"),
+    (dict(residual=np.zeros((4, 9), np.float16)), ValueError, "residual must be"),
+    (dict(activation="tanh"), ValueError, "activation must be"),
+    (dict(x=[[1.0]]), TypeError, "must be a jax or numpy array"),
+    (dict(x=np.zeros((4, 8), np.int32), w1=np.zeros((8, 16), np.int32), b1=None, w2=np.zeros((16, 8), np.int32),
+          b2=None), TypeError, "floating-point"),
+]
+
+
+@pytest.mark.parametrize("change,error,match", MISUSE, ids=[m[-1].replace(" ", "_") for m in MISUSE])
+def test_bad_inputs_are_refused(change, error, match):
+    args = dict(x=np.zeros((4, 8), np.float16), w1=np.zeros((8, 16), np.float16), b1=np.zeros((16,), np.float16),
+                w2=np.zeros((16, 8), np.float16), b2=np.zeros((8,), np.float16), activation="gelu_tanh",
+                residual=None)
+    args.update(change)
+    with pytest.raises(error, match=match):
+        jax_hopper.mlp(args.pop("x"), args.pop("w1"), args.pop("b1"), args.pop("w2"), args.pop("b2"), **args)
