@@ -231,22 +231,22 @@ def choose_dense(problem: Problem, activation: str | None, policy: str | None = 
 
 
 # The MLP's backward form (ops.mlp): dz1 = (dy w2^T) * act'(z1) in one launch of our
-# gradient kind (problem: dy w2^T, w2 read as stored [F, D]), against XLA's product
-# and then its elementwise pass. Not yet measured on the H200: "auto" sends it where
-# the plain product goes (our kernel only where the table picks it: unaligned rows).
-def fused_activation_grad_wins(p: Problem, activation: str | None) -> bool:
-    del p, activation
-    return False
-
-
+# gradient kind (problem: dy w2^T, w2 read as stored [F, D]), against the product alone
+# (dispatched by the table) followed by XLA's elementwise pass. Measured on the H200
+# (BENCHMARKS.md, "The MLP's backward form"; 8192x4096x16384, tanh-GELU, kernel time):
+# 0.925x (f16) and 0.930x (bf16) jnp's two passes, and slower than our own plain kernel
+# plus XLA's pass as well: act' runs in the epilogue while the tensor cores wait, which
+# costs more than XLA's memory-bound pass. So only policy "kernel" runs it.
 def choose_activation_grad(problem: Problem, activation: str | None, policy: str | None = None) -> tuple[str, str]:
-    """(path, rule) for the MLP's backward form (problem: dy w2^T)."""
+    """(path, rule) for the MLP's backward form (problem: dy w2^T): "kernel" runs it;
+    "xla" leaves the product to choose() and act' to XLA."""
+    del activation
     policy = current_policy() if policy is None else policy
     if problem.n % 2:  # the kernel reads z1 in pairs
         return "xla", "odd-hidden-width"
-    if policy == "auto" and fused_activation_grad_wins(problem, activation):
-        return _runnable("kernel", "fused-activation-grad")
-    return choose(problem, policy)
+    if policy == "kernel":
+        return _runnable("kernel", "policy=kernel")
+    return "xla", "backward-form-slower"
 
 
 def choose(problem: Problem, policy: str | None = None) -> tuple[str, str]:

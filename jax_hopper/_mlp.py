@@ -11,13 +11,16 @@ is one custom_vjp:
               h  = act(z1)             (XLA, 16-bit, as jnp's block; saved)
               y  = h w2 + b2 + r       (dense: bias and residual fused)
   backward    dz1 = (dy w2^T) * act'(z1)    one launch of the backward form, reading
-                                            w2 as stored (_fused.dense_grad_p)
+                                            w2 as stored (_fused.dense_grad_p); or the
+                                            product, then act' by XLA (see below)
               dw2 = h^T dy, dw1 = x^T dz1, dx = dz1 w1^T   (products, dispatched)
               db2, db1: row sums of dy and dz1 (f32 sums, one XLA pass each), dr = dy
 
-Every product goes through the dispatcher as in `dense`; the backward form is picked
-by choose_activation_grad (our kernel where it was measured faster than XLA's product
-plus its elementwise pass). Without differentiation the block is the two fused `dense`
+Every product goes through the dispatcher as in `dense`. The backward form runs under
+policy "kernel" only (_dispatch.choose_activation_grad): measured on the H200 it is
+slower than the product followed by XLA's elementwise pass, because act' then runs in
+the kernel's epilogue while the tensor cores wait. Elsewhere dh is a product like any
+other and XLA applies act'. Without differentiation the block is the two fused `dense`
 calls (the activation then fused into the first one's epilogue, on the f32 sum).
 """
 
@@ -31,7 +34,7 @@ import jax.numpy as jnp
 
 from jax_hopper import _dispatch
 from jax_hopper._autodiff import _contracting_leading_dims, _product, _sharding_of
-from jax_hopper._fallback import ACTIVATION_FNS, activation_grad_like_jnp
+from jax_hopper._fallback import ACTIVATION_FNS
 from jax_hopper._fused import fused_activation_grad
 from jax_hopper._sharding import is_explicit
 
@@ -49,15 +52,16 @@ def _row_sum(t, dtype):
 
 def _hidden_cotangent(dy, w2, z1, activation):
     """dz1 = (dy w2^T) * act'(z1): the backward form where the dispatcher picks it, else
-    XLA's product and the activation's VJP on 16-bit values (jnp's own two passes)."""
-    if activation is None:
-        return _product(dy, w2, transpose_b=True, like=z1)
-    rows = math.prod(dy.shape[:-1])
-    problem = _dispatch.problem_of((rows, dy.shape[-1]), w2.shape, dy.dtype, dy.dtype, False, True)
-    explicit = any(is_explicit(_sharding_of(v)) for v in (dy, w2, z1))
-    if not explicit and _dispatch.choose_activation_grad(problem, activation)[0] == "kernel":
-        return fused_activation_grad(dy, w2, z1, activation=activation)
-    return activation_grad_like_jnp(dy, w2, z1, activation=activation)
+    the product (dispatched like any other) and the activation's VJP on its 16-bit
+    result (jnp's own two passes)."""
+    if activation is not None:
+        rows = math.prod(dy.shape[:-1])
+        problem = _dispatch.problem_of((rows, dy.shape[-1]), w2.shape, dy.dtype, dy.dtype, False, True)
+        explicit = any(is_explicit(_sharding_of(v)) for v in (dy, w2, z1))
+        if not explicit and _dispatch.choose_activation_grad(problem, activation)[0] == "kernel":
+            return fused_activation_grad(dy, w2, z1, activation=activation)
+    dh = _product(dy, w2, transpose_b=True, like=z1)
+    return jax.vjp(ACTIVATION_FNS[activation], z1)[1](dh)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

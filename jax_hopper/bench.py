@@ -339,7 +339,7 @@ def bench_tp_mlp(tokens, d_model, d_ff, dtype_name, n_devices, progress):
     } for name in variants]
 
 
-def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh"):
+def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh", only=None):
     """A transformer MLP block, y = act(x W1 + b1) W2 + b2 + x, as jax_hopper.dense
     (bias, activation and residual fused into the kernel; our kernel forced) and as
     jax_hopper.mlp (the same, plus act' fused into the backward pass's dh product)
@@ -347,7 +347,8 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
     epilogues). Forward alone, a training step (gradients of all parameters), the
     forward's parts one by one (each dense with its epilogue, each product with no
     epilogue: what the fused epilogue costs on top of the plain kernel) and the
-    backward form alone. Kernel time (all kernels of the call) and sustained."""
+    backward form alone (`only`: the names of the steps to run, default all). Kernel
+    time (all kernels of the call) and sustained."""
     dtype = DTYPES[dtype_name]
     keys = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(keys[0], (tokens, d_model), jnp.float32).astype(dtype)
@@ -403,8 +404,14 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
                               "jnp": lambda xh, p: xh[1] @ p[2]}, (x, hidden), 1),
     }
     rows = []
+    unknown = set(only or ()) - set(steps)
+    if unknown:
+        raise SystemExit(f"unknown --mlp-steps {sorted(unknown)}; choose from {sorted(steps)}")
     for step, (fns, first, products) in steps.items():
-        meta = {"batch": 0, "m": tokens, "n": d_ff, "k": d_model, "layout": f"mlp {step}", "dtype": dtype_name}
+        if only and step not in only:
+            continue
+        meta = {"batch": 0, "m": tokens, "n": d_ff, "k": d_model, "layout": f"mlp {step} {activation}",
+                "dtype": dtype_name}
         rows += _time_variants(fns, first, params, 2.0 * tokens * d_model * d_ff * products, meta, progress)
     return rows
 
@@ -526,8 +533,10 @@ def main(argv=None):
     p.add_argument("--devices", type=int, default=2, help="devices for --tp-mlp")
     p.add_argument("--mlp", default="", help="comma-separated TOKENSxDMODELxDFF MLP blocks (dense + bias + GELU + "
                    "dense + bias + residual), fused jax_hopper.dense vs plain jnp, forward and training step")
-    p.add_argument("--mlp-activation", default="gelu_tanh", choices=[a for a in ACTIVATION_FNS if a],
-                   help="the --mlp block's activation")
+    p.add_argument("--mlp-activations", default="gelu_tanh", help="comma-separated activations of the --mlp "
+                   f"block: {', '.join(a for a in ACTIVATION_FNS if a)}")
+    p.add_argument("--mlp-steps", default="", help="comma-separated --mlp steps to run (default all), e.g. "
+                   "'train,dz1 backward form'")
     p.add_argument("--dense", default="", help="comma-separated TOKENSxINxOUT dense layers act(x W + b): our fused "
                    "kernel and the dispatcher's choice vs plain jnp, for each of --activations")
     p.add_argument("--activations", default="gelu_tanh", help="comma-separated activations for --dense: none, relu, "
@@ -581,14 +590,20 @@ def main(argv=None):
         sys.stdout.flush()
         rows.extend(shape_rows)
 
+    mlp_activations = [a.strip() for a in args.mlp_activations.split(",") if a.strip()]
+    bad = sorted(set(mlp_activations) - {a for a in ACTIVATION_FNS if a})
+    if bad:
+        p.error(f"unknown --mlp-activations {bad}")
+    mlp_steps = [x.strip() for x in args.mlp_steps.split(",") if x.strip()]
     for text in filter(None, args.mlp.split(",")):
         tokens, d_model, d_ff = (int(x) for x in text.lower().split("x"))
         for d in dtypes:
-            mlp_rows = bench_mlp(tokens, d_model, d_ff, d, lambda: print(".", end="", file=sys.stderr, flush=True),
-                                 args.mlp_activation)
-            print(file=sys.stderr)
-            print_table(mlp_rows)
-            rows.extend(mlp_rows)
+            for activation in mlp_activations:
+                mlp_rows = bench_mlp(tokens, d_model, d_ff, d,
+                                     lambda: print(".", end="", file=sys.stderr, flush=True), activation, mlp_steps)
+                print(file=sys.stderr)
+                print_table(mlp_rows)
+                rows.extend(mlp_rows)
 
     for text in filter(None, args.dense.split(",")):
         tokens, d_in, d_out = (int(x) for x in text.lower().split("x"))

@@ -4,6 +4,10 @@
 input, computed by ``jax_hopper.dense`` in one launch. Parameters have the same names,
 shapes and initialisers as ``flax.linen.Dense`` ("kernel" [in, features], "bias"
 [features]), so checkpoints move between the two.
+
+``MLP`` is the block ``Dense -> activation -> Dense`` (+ an optional residual) through
+``jax_hopper.mlp``; its parameters are those of that block written with two
+``flax.linen.Dense`` layers ("Dense_0", "Dense_1").
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jax_hopper.ops import dense
+from jax_hopper.ops import dense, mlp
 
 
 class Dense(nn.Module):
@@ -31,3 +35,40 @@ class Dense(nn.Module):
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         x, kernel, bias, residual = nn.dtypes.promote_dtype(x, kernel, bias, residual, dtype=self.dtype)
         return dense(x, kernel, bias, activation=self.activation, residual=residual)
+
+
+class _DenseParams(nn.Module):
+    """flax.linen.Dense's parameters alone (same names, shapes and initialisers)."""
+    features: int
+    use_bias: bool
+    param_dtype: Any
+    kernel_init: Any
+    bias_init: Any
+
+    @nn.compact
+    def __call__(self, in_features):
+        kernel = self.param("kernel", self.kernel_init, (in_features, self.features), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        return kernel, bias
+
+
+class MLP(nn.Module):
+    hidden_features: int
+    features: int | None = None  # the output width; default: x's
+    activation: str | None = "gelu_tanh"  # None, "relu", "gelu_tanh", "gelu_exact", "silu"
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = nn.initializers.lecun_normal()
+    bias_init: Any = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, x, residual=None):
+        d_in = jnp.shape(x)[-1]
+        out = self.features if self.features is not None else d_in
+        layer = dict(use_bias=self.use_bias, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                     bias_init=self.bias_init)
+        w1, b1 = _DenseParams(self.hidden_features, name="Dense_0", **layer)(d_in)
+        w2, b2 = _DenseParams(out, name="Dense_1", **layer)(self.hidden_features)
+        x, w1, b1, w2, b2, residual = nn.dtypes.promote_dtype(x, w1, b1, w2, b2, residual, dtype=self.dtype)
+        return mlp(x, w1, b1, w2, b2, activation=self.activation, residual=residual)

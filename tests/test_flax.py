@@ -55,3 +55,36 @@ def test_mlp_hlo_has_no_cublas_product_on_hopper(hopper):
     hlo = jax.jit(jax.grad(lambda p: _loss(model, p, x, y))).lower(params).compile().as_text()
     assert hlo.count('custom_call_target="jax_hopper_gemm"') == 5  # 2 forward, 3 backward
     assert "__cublas" not in hlo
+
+
+class PlainBlock(nn.Module):
+    """The block a flax user writes: Dense, GELU(tanh), Dense, plus the input."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Dense(D_HIDDEN, dtype=jnp.float16, param_dtype=jnp.float32)(x))
+        return nn.Dense(D_IN, dtype=jnp.float16, param_dtype=jnp.float32)(h) + x.astype(jnp.float16)
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+def test_mlp_module_is_the_plain_block_with_its_parameters(policy):
+    """jax_hopper.nn.MLP takes the plain block's parameter tree as it is, and trains like it."""
+    from jax_hopper.nn import MLP as FusedMLP
+
+    kx, kp = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (BATCH, D_IN), jnp.float32)
+    plain = PlainBlock()
+    fused = FusedMLP(D_HIDDEN, activation="gelu_tanh", dtype=jnp.float16)
+    params = plain.init(kp, x)
+    assert jax.tree.structure(fused.init(kp, x)) == jax.tree.structure(params)
+
+    def step(model, p):
+        return jax.jit(jax.value_and_grad(lambda p: 0.5 * jnp.sum(model.apply(p, x, *([x] if model is fused else []))
+                                                                   .astype(jnp.float32) ** 2)))(p)
+
+    with jax_hopper.dispatch(policy):
+        loss_ours, g_ours = step(fused, params)
+    loss_plain, g_plain = step(plain, params)
+    assert abs(float(loss_ours) - float(loss_plain)) <= 1e-2 * abs(float(loss_plain))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_ours), jax.tree_util.tree_leaves(g_plain)):
+        assert relative_error(a, b) < 2e-2, jax.tree_util.keystr(path)

@@ -157,6 +157,16 @@ def test_kernel_policy_fuses_the_derivative_into_the_backward_product():
     assert "dot_general" not in text
 
 
+def test_auto_policy_keeps_the_backward_form_off():
+    """Measured slower than the product plus XLA's pass (_dispatch.choose_activation_grad)."""
+    problem = _dispatch.problem_of((8192, 4096), (16384, 4096), jnp.float16, jnp.float16, False, True)
+    assert _dispatch.choose_activation_grad(problem, "gelu_tanh", "auto") == ("xla", "backward-form-slower")
+    operands = block_operands((256,), 128, 512, jnp.bfloat16)
+    with jax_hopper.dispatch("auto"):
+        text = cuda_text(jax.grad(loss(ours("gelu_tanh")), argnums=ARGNUMS), *operands)
+    assert "activation_grad = 1 " not in text
+
+
 def test_odd_hidden_width_takes_xla_for_the_backward_form():
     problem = _dispatch.problem_of((256, 128), (513, 128), jnp.float16, jnp.float16, False, True)
     assert _dispatch.choose_activation_grad(problem, "silu", "kernel") == ("xla", "odd-hidden-width")

@@ -515,3 +515,52 @@ def test_explicit_empty_contraction_is_zeros_of_the_result_type():
         ref = jax.jit(lambda a, b, c: jax.nn.gelu(a @ b + c))(a, b, bias)
         assert jax.typeof(ours) == jax.typeof(ref)
         assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
+
+
+MLP_PATTERNS = {  # name: (x spec, w1 spec, w2 spec) for x [B, M, K], w1 [K, N], w2 [N, K]
+    "data_parallel": (P("x", None, None), P(), P()),
+    "sequence_sharded": (P(None, "x", None), P(), P()),
+    "tensor_parallel": (P(None, "x", None), P(None, "y"), P("y", None)),  # Megatron: F split
+}
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+@pytest.mark.parametrize("pattern", MLP_PATTERNS)
+def test_mlp_gradients_under_sharding(pattern, policy):
+    """jax_hopper.mlp's custom VJP under Auto mesh axes: each product partitions like a
+    plain one; the backward form, with no partitioning rules, lowers to XLA's (so policy
+    "kernel" runs it only where the program stays on one device)."""
+    from test_mlp import ARGNUMS, block_operands, loss, ours, plain_block
+
+    mm = mesh()
+    x_s, w1_s, w2_s = MLP_PATTERNS[pattern]
+    operands = block_operands((B, M), K, N, jnp.float16, seed=60)
+    specs = (x_s, w1_s, P(w1_s[1]) if len(w1_s) > 1 else P(), w2_s, P())
+    placed = [jax.device_put(v, NamedSharding(mm, s)) for v, s in zip(operands, specs)]
+    with jax_hopper.dispatch(policy):
+        mine = jax.jit(jax.grad(loss(ours("gelu_tanh")), argnums=ARGNUMS))(*placed)
+    exact = jax.grad(loss(plain_block("gelu_tanh")), argnums=ARGNUMS)(*[v.astype(jnp.float32) for v in operands])
+    # jnp's block under the same sharding: partial sums over sharded contractions are
+    # rounded to 16 bits before the all-reduce there too.
+    jnp_own = jax.jit(jax.grad(loss(plain_block("gelu_tanh")), argnums=ARGNUMS))(*placed)
+    for name, g, j, e in zip(("x", "w1", "b1", "w2", "b2"), mine, jnp_own, exact):
+        err, err_jnp = relative_error(g, e), relative_error(j, e)
+        assert err <= 1.5 * err_jnp + 1e-6, f"d{name}: {err:.3e} vs jnp's block {err_jnp:.3e}"
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+def test_explicit_mesh_mlp_gradients_follow_jnp(policy):
+    """Explicit mesh axes: the result and gradient types are jnp's block's."""
+    from test_mlp import ARGNUMS, block_operands, loss, ours, plain_block
+
+    mm = mesh(AxisType.Explicit)
+    operands = block_operands((B, M), K, N, jnp.float16, seed=61)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        placed = [jax.device_put(v, NamedSharding(mm, s))
+                  for v, s in zip(operands, (P(None, "x"), P(), P(), P(), P()))]
+        with jax_hopper.dispatch(policy):
+            mine = jax.jit(jax.grad(loss(ours("silu")), argnums=ARGNUMS))(*placed)
+        ref = jax.jit(jax.grad(loss(plain_block("silu")), argnums=ARGNUMS))(*placed)
+    for g, r in zip(mine, ref):
+        assert jax.typeof(g) == jax.typeof(r), (jax.typeof(g), jax.typeof(r))
+        assert relative_error(g, r.astype(jnp.float32)) < 2e-2

@@ -311,14 +311,27 @@ struct FusedOps {
       // Never loaded from unless row_ok (an absent residual has ld_residual 0: null + 0).
       rows[half] = residual + static_cast<int64_t>(row) * out.ld_residual;
     }
-#pragma unroll
-    for (int j0 = 0; j0 < Direct::kColBlocks; j0 += kResidualChunk) {
-      uint32_t res[kResidualChunk][2];
+    // The backward form needs z at the start of each element's arithmetic, so its loads
+    // run one chunk ahead of their use (the forward form adds the residual last).
+    constexpr int kChunksAhead = kGrad ? 1 : 0;
+    uint32_t chunks[kChunksAhead + 1][kResidualChunk][2];
+    const auto load_chunk = [&](uint32_t (&res)[kResidualChunk][2], int j0) {
 #pragma unroll
       for (int i = 0; i < kResidualChunk; ++i)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
           res[i][half] = load_raw<kPaired>(rows[half], row_ok[half], c + (j0 + i) * Direct::kColsPerBlock, out.n);
+    };
+    if constexpr (kChunksAhead > 0) load_chunk(chunks[0], 0);
+#pragma unroll
+    for (int j0 = 0; j0 < Direct::kColBlocks; j0 += kResidualChunk) {
+      const int slot = (j0 / kResidualChunk) % (kChunksAhead + 1);
+      if constexpr (kChunksAhead > 0) {
+        if (j0 + kResidualChunk < Direct::kColBlocks) load_chunk(chunks[(slot + 1) % 2], j0 + kResidualChunk);
+      } else {
+        load_chunk(chunks[slot], j0);
+      }
+      const uint32_t (&res)[kResidualChunk][2] = chunks[slot];
 #pragma unroll
       for (int i = 0; i < kResidualChunk; ++i) {
         const int j = j0 + i;
