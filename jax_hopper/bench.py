@@ -394,7 +394,7 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
                                "jnp": lambda dz, p: activation_grad_like_jnp(dz[0], p[2], dz[1],
                                                                              activation=activation)},
                               (x, pre), 1),
-        f"dense1 bias+{activation}": ({"jax_hopper": _kernel_forced(dense1), "jax_hopper auto": _auto(dense1),
+        "dense1 bias+act": ({"jax_hopper": _kernel_forced(dense1), "jax_hopper auto": _auto(dense1),
                                        "jnp": lambda xh, p: act(xh[0] @ p[0] + p[1])}, (x, hidden), 1),
         "dense2 bias+resid": ({"jax_hopper": _kernel_forced(dense2),
                                "jnp": lambda xh, p: xh[1] @ p[2] + p[3] + xh[0]}, (x, hidden), 1),
@@ -410,7 +410,7 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
     for step, (fns, first, products) in steps.items():
         if only and step not in only:
             continue
-        meta = {"batch": 0, "m": tokens, "n": d_ff, "k": d_model, "layout": f"mlp {step} {activation}",
+        meta = {"batch": 0, "m": tokens, "n": d_ff, "k": d_model, "layout": f"mlp {step} [{activation}]",
                 "dtype": dtype_name}
         rows += _time_variants(fns, first, params, 2.0 * tokens * d_model * d_ff * products, meta, progress)
     return rows

@@ -18,12 +18,13 @@ def test_bench_writes_rows_for_every_case_and_variant(tmp_path):
                 "--mlp", "48x32x64", "--json", str(out)] + (["--tp-mlp", "32x16x64"] if tp else []))
     rows = json.loads(out.read_text())["rows"]
     cases = {(r["batch"], r["m"], r["n"], r["k"], r["layout"]) for r in rows}
-    # 2 shapes x 2 layouts, 1 batched, the MLP block (forward, training step and the
-    # forward's four parts), (1 tensor-parallel block)
-    assert len(cases) == 4 + 1 + 6 + tp
+    # 2 shapes x 2 layouts, 1 batched, the MLP block (forward, training step through dense
+    # and through mlp, the backward form, the forward's four parts), (1 tensor-parallel block)
+    assert len(cases) == 4 + 1 + 8 + tp
     assert {r["layout"] for r in rows if r["layout"].startswith("mlp")} == {
-        "mlp forward", "mlp train", "mlp dense1 bias+gelu", "mlp dense2 bias+resid", "mlp x@W1 no epilogue",
-        "mlp h@W2 no epilogue"}
+        f"mlp {step} [gelu_tanh]" for step in ("forward", "train", "train mlp op", "dz1 backward form",
+                                               "dense1 bias+act", "dense2 bias+resid", "x@W1 no epilogue",
+                                               "h@W2 no epilogue")}
     assert {r["variant"] for r in rows} >= {"jax_hopper", "jnp.dot", "V5 s=4"}
     assert all(r["kernel_ms"] > 0 and r["sustained_ms"] > 0 for r in rows)
     assert all(r["rel_error"] < 1e-2 for r in rows if r["rel_error"] is not None)
