@@ -23,7 +23,7 @@ from jax_hopper._primitive import (
     KERNEL_DTYPES,
     _match_varying_axes,
     _pad_for_tma,
-    jitted_bind,
+    eager_impl,
     require_devices_at_lowering,
 )
 from jax_hopper._sharding import dense_lowering, local_only_lowering, output_sharding
@@ -82,11 +82,7 @@ def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
                 activation_grad=np.int32(0))
 
 
-def _eager_impl(*args, **params):
-    return jitted_bind(dense_p, **params)(*args)
-
-
-dense_p.def_impl(_eager_impl)
+dense_p.def_impl(eager_impl(dense_p))
 dense_p.def_abstract_eval(_abstract_eval)
 # Partitioned like gemm_p when the program spans devices (_sharding.py).
 mlir.register_lowering(dense_p, dense_lowering(_default_impl, _default_impl))
@@ -148,11 +144,7 @@ def _grad_cuda_impl(g, w, z, *, activation):
                 activation=np.int32(ACTIVATIONS[activation]), activation_grad=np.int32(1))
 
 
-def _grad_eager_impl(*args, **params):
-    return jitted_bind(dense_grad_p, **params)(*args)
-
-
-dense_grad_p.def_impl(_grad_eager_impl)
+dense_grad_p.def_impl(eager_impl(dense_grad_p))
 dense_grad_p.def_abstract_eval(_grad_abstract_eval)
 mlir.register_lowering(dense_grad_p, local_only_lowering(_grad_default_impl, _grad_default_impl))
 mlir.register_lowering(dense_grad_p, local_only_lowering(_grad_cuda_impl, _grad_default_impl), platform="cuda")

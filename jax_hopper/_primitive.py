@@ -144,11 +144,14 @@ def jitted_bind(primitive, **params):
     return jax.jit(functools.partial(primitive.bind, **params))
 
 
-def _eager_impl(a, b, **params):
-    return jitted_bind(gemm_p, **params)(a, b)
+def eager_impl(primitive):
+    """A primitive's impl rule for eager calls: its jitted bind (one executable per params)."""
+    def impl(*args, **params):
+        return jitted_bind(primitive, **params)(*args)
+    return impl
 
 
-gemm_p.def_impl(_eager_impl)
+gemm_p.def_impl(eager_impl(gemm_p))
 gemm_p.def_abstract_eval(_abstract_eval)
 # Both lowerings are partitioned as jnp.dot's would be (see _sharding.py); unsharded
 # products lower to the local product. The second argument is XLA's dot, for partly

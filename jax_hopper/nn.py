@@ -20,6 +20,14 @@ import jax.numpy as jnp
 from jax_hopper.ops import dense, mlp
 
 
+def _dense_params(module, in_features):
+    """flax.linen.Dense's parameters ("kernel" [in, features], "bias" [features]), made in
+    `module` (which has Dense's fields) as Dense makes them."""
+    kernel = module.param("kernel", module.kernel_init, (in_features, module.features), module.param_dtype)
+    bias = module.param("bias", module.bias_init, (module.features,), module.param_dtype) if module.use_bias else None
+    return kernel, bias
+
+
 class Dense(nn.Module):
     features: int
     use_bias: bool = True
@@ -31,8 +39,7 @@ class Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x, residual=None):
-        kernel = self.param("kernel", self.kernel_init, (jnp.shape(x)[-1], self.features), self.param_dtype)
-        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        kernel, bias = _dense_params(self, jnp.shape(x)[-1])
         x, kernel, bias, residual = nn.dtypes.promote_dtype(x, kernel, bias, residual, dtype=self.dtype)
         return dense(x, kernel, bias, activation=self.activation, residual=residual)
 
@@ -47,9 +54,7 @@ class _DenseParams(nn.Module):
 
     @nn.compact
     def __call__(self, in_features):
-        kernel = self.param("kernel", self.kernel_init, (in_features, self.features), self.param_dtype)
-        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
-        return kernel, bias
+        return _dense_params(self, in_features)
 
 
 class MLP(nn.Module):

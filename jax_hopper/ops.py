@@ -311,6 +311,29 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
     return out
 
 
+def _check_layer_operands(op, operands, activation) -> str:
+    """The checks dense and mlp share: arrays (or None) and a known activation. Returns
+    the operands described for later error messages."""
+    from jax_hopper._fused import ACTIVATIONS
+
+    for name, v in operands.items():
+        if v is not None and not _is_array(v):
+            raise TypeError(f"jax_hopper.{op}: {name} must be a jax or numpy array, got {type(v).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"jax_hopper.{op}: activation must be None or one of "
+                         f"{sorted(a for a in ACTIVATIONS if a)}, got {activation!r}")
+    return ", ".join(f"{n} {_describe(v)}" for n, v in operands.items() if v is not None)
+
+
+def _layer_type(op, operands, described):
+    """(type, weak) of a layer: jnp's promotion of all its operands, floating only."""
+    dtype, weak = jax.dtypes.result_type(*(v for v in operands.values() if v is not None),
+                                         return_weak_type_flag=True)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"jax_hopper.{op}: floating-point operands only; got {described}")
+    return dtype, weak
+
+
 def dense(x, w, bias=None, *, activation=None, residual=None):
     """A dense layer, ``act(x @ w + bias) + residual``, with the bias add, the activation
     and the residual add fused into our kernel's epilogue.
@@ -327,16 +350,10 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     the kernel, the value and gradient under differentiation are jnp's) and vmappable.
     """
     from jax_hopper._fallback import dense_like_jnp
-    from jax_hopper._fused import ACTIVATIONS, fused_dense
+    from jax_hopper._fused import fused_dense
 
     operands = {"x": x, "w": w, "bias": bias, "residual": residual}
-    for name, v in operands.items():
-        if v is not None and not _is_array(v):
-            raise TypeError(f"jax_hopper.dense: {name} must be a jax or numpy array, got {type(v).__name__}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"jax_hopper.dense: activation must be None or one of "
-                         f"{sorted(a for a in ACTIVATIONS if a)}, got {activation!r}")
-    described = ", ".join(f"{n} {_describe(v)}" for n, v in operands.items() if v is not None)
+    described = _check_layer_operands("dense", operands, activation)
     if np.ndim(x) < 1 or np.ndim(w) != 2 or np.shape(x)[-1] != np.shape(w)[0]:
         raise ValueError(f"jax_hopper.dense: needs x [..., K] and w [K, N]; got {described}")
     n = np.shape(w)[1]
@@ -345,10 +362,7 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     out_shape = tuple(np.shape(x)[:-1]) + (n,)
     if residual is not None and tuple(np.shape(residual)) != out_shape:
         raise ValueError(f"jax_hopper.dense: residual must be {list(out_shape)}; got {described}")
-    dtype, weak = jax.dtypes.result_type(*(v for v in operands.values() if v is not None),
-                                         return_weak_type_flag=True)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"jax_hopper.dense: floating-point operands only; got {described}")
+    dtype, weak = _layer_type("dense", operands, described)
     if weak:  # every operand weakly typed: jnp's result is weak too, which only jnp's computation keeps
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
@@ -387,17 +401,10 @@ def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
     as jnp would.
     """
     from jax_hopper._fallback import dense_like_jnp
-    from jax_hopper._fused import ACTIVATIONS
     from jax_hopper._mlp import mlp_block
 
     operands = {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "residual": residual}
-    for name, v in operands.items():
-        if v is not None and not _is_array(v):
-            raise TypeError(f"jax_hopper.mlp: {name} must be a jax or numpy array, got {type(v).__name__}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"jax_hopper.mlp: activation must be None or one of "
-                         f"{sorted(a for a in ACTIVATIONS if a)}, got {activation!r}")
-    described = ", ".join(f"{n} {_describe(v)}" for n, v in operands.items() if v is not None)
+    described = _check_layer_operands("mlp", operands, activation)
     if (np.ndim(x) < 1 or np.ndim(w1) != 2 or np.ndim(w2) != 2 or np.shape(x)[-1] != np.shape(w1)[0] or
             np.shape(w1)[1] != np.shape(w2)[0]):
         raise ValueError(f"jax_hopper.mlp: needs x [..., D], w1 [D, F] and w2 [F, N]; got {described}")
@@ -406,10 +413,7 @@ def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
     for name, v, shape in (("b1", b1, (f,)), ("b2", b2, (n,)), ("residual", residual, out_shape)):
         if v is not None and tuple(np.shape(v)) != shape:
             raise ValueError(f"jax_hopper.mlp: {name} must be {list(shape)}; got {described}")
-    dtype, weak = jax.dtypes.result_type(*(v for v in operands.values() if v is not None),
-                                         return_weak_type_flag=True)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"jax_hopper.mlp: floating-point operands only; got {described}")
+    dtype, weak = _layer_type("mlp", operands, described)
     if weak or jnp.dtype(dtype) not in KERNEL_DTYPES or 0 in np.shape(x) + np.shape(w2) + (np.shape(w1)[0],):
         h = dense_like_jnp(x, w1, b1, None, activation=activation)
         return dense_like_jnp(h, w2, b2, residual, activation=None)

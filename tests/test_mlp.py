@@ -145,10 +145,14 @@ def test_second_order_gradient(policy):
     assert err <= ERROR_FACTOR * err_jnp + 1e-6, f"{err:.3e} vs jnp's {err_jnp:.3e}"
 
 
+def gradient_program(activation, operands, policy):
+    """StableHLO (for CUDA) of the block's gradient under `policy`."""
+    with jax_hopper.dispatch(policy):
+        return cuda_text(jax.grad(loss(ours(activation)), argnums=ARGNUMS), *operands)
+
+
 def test_kernel_policy_fuses_the_derivative_into_the_backward_product():
-    operands = block_operands((256,), 128, 512, jnp.bfloat16)
-    with jax_hopper.dispatch("kernel"):
-        text = cuda_text(jax.grad(loss(ours("gelu_tanh")), argnums=ARGNUMS), *operands)
+    text = gradient_program("gelu_tanh", block_operands((256,), 128, 512, jnp.bfloat16), "kernel")
     calls = re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
     # forward: x w1 + b1 and h w2 + b2 + x fused; backward: the backward form, h^T dy,
     # x^T dz1 and dz1 w1^T.
@@ -161,9 +165,7 @@ def test_auto_policy_keeps_the_backward_form_off():
     """Measured slower than the product plus XLA's pass (_dispatch.choose_activation_grad)."""
     problem = _dispatch.problem_of((8192, 4096), (16384, 4096), jnp.float16, jnp.float16, False, True)
     assert _dispatch.choose_activation_grad(problem, "gelu_tanh", "auto") == ("xla", "backward-form-slower")
-    operands = block_operands((256,), 128, 512, jnp.bfloat16)
-    with jax_hopper.dispatch("auto"):
-        text = cuda_text(jax.grad(loss(ours("gelu_tanh")), argnums=ARGNUMS), *operands)
+    text = gradient_program("gelu_tanh", block_operands((256,), 128, 512, jnp.bfloat16), "auto")
     assert "activation_grad = 1 " not in text
 
 
@@ -171,9 +173,7 @@ def test_odd_hidden_width_takes_xla_for_the_backward_form():
     problem = _dispatch.problem_of((256, 128), (513, 128), jnp.float16, jnp.float16, False, True)
     assert _dispatch.choose_activation_grad(problem, "silu", "kernel") == ("xla", "odd-hidden-width")
     operands = block_operands((64,), 16, 33, jnp.float16)
-    with jax_hopper.dispatch("kernel"):
-        text = cuda_text(jax.grad(loss(ours("silu")), argnums=ARGNUMS), *operands)
-    assert "activation_grad = 1 " not in text
+    assert "activation_grad = 1 " not in gradient_program("silu", operands, "kernel")
     with jax_hopper.dispatch("kernel"):
         mine = grads(ours("silu"), operands)
     assert_gradients_as_accurate_as_jnp(mine, operands, "silu")
