@@ -233,10 +233,11 @@ def choose_dense(problem: Problem, activation: str | None, policy: str | None = 
 # The MLP's backward form (ops.mlp): dz1 = (dy w2^T) * act'(z1) in one launch of our
 # gradient kind (problem: dy w2^T, w2 read as stored [F, D]), against the product alone
 # (dispatched by the table) followed by XLA's elementwise pass. Measured on the H200
-# (BENCHMARKS.md, "The MLP's backward form"; 8192x4096x16384, tanh-GELU, kernel time):
-# 0.925x (f16) and 0.930x (bf16) jnp's two passes, and slower than our own plain kernel
-# plus XLA's pass as well: act' runs in the epilogue while the tensor cores wait, which
-# costs more than XLA's memory-bound pass. So only policy "kernel" runs it.
+# (BENCHMARKS.md, "the MLP's backward form"; 8192x4096x16384, kernel time against jnp's
+# two passes): tanh-GELU 0.93-0.94x, exact GELU 0.92-0.97x, SiLU 0.95x (f16, bf16), and
+# slower than our own plain kernel plus XLA's pass as well: act' runs in the epilogue
+# while the tensor cores wait, which costs more than XLA's memory-bound pass. ReLU ties
+# (1.01x kernel time, 0.99x sustained). So only policy "kernel" runs it.
 def choose_activation_grad(problem: Problem, activation: str | None, policy: str | None = None) -> tuple[str, str]:
     """(path, rule) for the MLP's backward form (problem: dy w2^T): "kernel" runs it;
     "xla" leaves the product to choose() and act' to XLA."""

@@ -395,9 +395,11 @@ def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
     or "silu". Undifferentiated it is ``dense(dense(x, w1, b1, activation=...), w2, b2,
     residual=residual)``; differentiated (reverse mode only: jax.grad, jax.vjp) the
     forward saves the pre-activation z1 = x w1 + b1 and act(z1) in the operands' type,
-    as jnp's block does, and the backward form runs on our kernel where the dispatcher
-    picks it (policy "kernel": always, for an even F). Each product is dispatched like
-    a plain one. Operands of one 16-bit type use this path; anything else is computed
+    as jnp's block does. The backward form runs on our kernel under policy "kernel"
+    only (measured slower than the product plus XLA's pass, so "auto" never picks it),
+    for an even F, on one device (a program spanning several computes it through XLA;
+    operands typed with explicit mesh axes take the product and XLA's pass). Each
+    product is dispatched like a plain one. Operands of one 16-bit type use this path; anything else is computed
     as jnp would.
     """
     from jax_hopper._fallback import dense_like_jnp
@@ -419,4 +421,7 @@ def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
         return dense_like_jnp(h, w2, b2, residual, activation=None)
     x, w1, w2 = (jnp.asarray(v, dtype) for v in (x, w1, w2))
     b1, b2, residual = (None if v is None else jnp.asarray(v, dtype) for v in (b1, b2, residual))
+    if x.ndim == 1:  # one row: the block's products take x [..., M, D]
+        rows = lambda v: None if v is None else v.reshape(1, -1)  # noqa: E731
+        return mlp_block(rows(x), w1, b1, w2, b2, rows(residual), activation).reshape(out_shape)
     return mlp_block(x, w1, b1, w2, b2, residual, activation)

@@ -89,3 +89,16 @@ def test_fused_handler_rejects_inconsistent_calls(hopper, bias_shape, res_shape,
     operands = [jnp.ones((64, 32), F16), jnp.ones((32, 64), F16), jnp.ones(bias_shape, F16), jnp.ones(res_shape, F16)]
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(jax.jit(lambda *a: call(*a, **params))(*operands))
+
+
+def test_backward_form_handler_refuses_an_odd_width(hopper):
+    """The backward form reads z in pairs: called directly with an odd N (w [N, K] read
+    K-major, as jax_hopper.mlp passes it), the handler refuses instead of reading past z."""
+    import numpy as np
+
+    params = {"transpose_a": np.int32(0), "transpose_b": np.int32(1), "activation": np.int32(2),
+              "activation_grad": np.int32(1)}
+    call = jax.ffi.ffi_call("jax_hopper_gemm_fused", jax.ShapeDtypeStruct((64, 63), F16))
+    operands = [jnp.ones((64, 32), F16), jnp.ones((63, 32), F16), jnp.ones((0,), F16), jnp.ones((64, 63), F16)]
+    with pytest.raises(Exception, match="even N"):
+        jax.block_until_ready(jax.jit(lambda *a: call(*a, **params))(*operands))

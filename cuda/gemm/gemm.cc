@@ -133,12 +133,15 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
     if (args.k == 0) return Status::Invalid("the fused kernel needs K > 0 (its epilogue is not a zero fill)");
     if (args.residual != nullptr && args.ld_residual < args.n)
       return Status::Invalid("residual row length is shorter than N");
-    // Even lengths: the backward form reads z two elements at a time (FusedOps::apply_as).
+    // Even lengths and a 4-byte aligned z: the backward form reads z two elements at a
+    // time (FusedOps::apply_as).
+    constexpr uintptr_t kPairBytes = 4;
     if (args.activation_grad && (args.residual == nullptr || args.bias != nullptr ||
                                  args.activation == Activation::kNone || args.n % 2 != 0 ||
-                                 args.ld_residual % 2 != 0))
-      return Status::Invalid("an activation gradient needs the pre-activation (residual) with even N and row length, "
-                             "an activation and no bias");
+                                 args.ld_residual % 2 != 0 ||
+                                 reinterpret_cast<uintptr_t>(args.residual) % kPairBytes != 0))
+      return Status::Invalid("an activation gradient needs the pre-activation (residual), 4-byte aligned, with even "
+                             "N and row length, an activation and no bias");
   }
   if (args.k == 0) {  // empty sums: C = 0
     for (int64_t b = 0; b < args.batch; ++b) {
