@@ -250,6 +250,32 @@ def choose_activation_grad(problem: Problem, activation: str | None, policy: str
     return "xla", "backward-form-slower"
 
 
+# EXPERIMENTAL (branch exp-saved-derivative, not measured yet): activations whose
+# forward pass in ops.mlp saves act'(z1), computed in the same XLA pass as act(z1),
+# instead of z1. The backward then multiplies (dh * act'(z1): a cheap pass, or the
+# backward form's multiply) instead of recomputing act' from z1 -- for exact GELU,
+# XLA's backward erf pass took 0.42 ms at 8192x4096x16384 against ~0.21 ms for a
+# multiply. Empty until measured.
+SAVED_DERIVATIVE_ACTIVATIONS: frozenset = frozenset()
+_saved_derivative_override: list = []
+
+
+def saves_derivative(activation: str | None) -> bool:
+    """Whether ops.mlp's forward saves act'(z1) for this activation (traced-time choice)."""
+    chosen = _saved_derivative_override[-1] if _saved_derivative_override else SAVED_DERIVATIVE_ACTIVATIONS
+    return activation is not None and activation in chosen
+
+
+@contextlib.contextmanager
+def saved_derivative(activations):
+    """Scoped override of SAVED_DERIVATIVE_ACTIVATIONS (read while jax traces), for the benchmark."""
+    _saved_derivative_override.append(frozenset(activations))
+    try:
+        yield
+    finally:
+        _saved_derivative_override.pop()
+
+
 def choose(problem: Problem, policy: str | None = None) -> tuple[str, str]:
     """(path, rule name) for one product under `policy` (default: the current one)."""
     policy = current_policy() if policy is None else policy

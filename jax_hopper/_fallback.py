@@ -64,15 +64,20 @@ def activation_derivative(z, activation):
 
 def activation_grad_reference(g, w, z, *, activation):
     """(g @ w^T) * act'(z) with the backward-form kernel's arithmetic: g [..., M, K], w
-    [N, K], z [..., M, N]; the f32 product times act'(z) in f32, one rounding to g's type."""
+    [N, K], z [..., M, N]; the f32 product times act'(z) in f32, one rounding to g's type.
+    activation None: z is act'(z1) itself (the saved-derivative form), a multiply."""
     dh = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (dh * activation_derivative(z.astype(jnp.float32), activation)).astype(g.dtype)
+    z = z.astype(jnp.float32)
+    return (dh * (z if activation is None else activation_derivative(z, activation))).astype(g.dtype)
 
 
 def activation_grad_like_jnp(g, w, z, *, activation):
     """The same as jnp's backward pass computes it: the product g @ w^T rounded to the
-    16-bit type, then the activation's VJP at z on 16-bit values."""
+    16-bit type, then the activation's VJP at z on 16-bit values (activation None: the
+    product times the saved derivative z)."""
     dh = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())))
+    if activation is None:
+        return dh * z
     return jax.vjp(ACTIVATION_FNS[activation], z)[1](dh)[0]
 
 

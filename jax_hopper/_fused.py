@@ -106,7 +106,8 @@ def fused_dense(x, w, bias=None, residual=None, *, activation=None):
 # The cotangent of an MLP's hidden pre-activation (jax_hopper.mlp's backward pass): g
 # [..., M, K] is the second layer's output cotangent, w [N, K] that layer's weight as
 # stored (read K-major, no transposing copy), z [..., M, N] the first layer's saved
-# pre-activation. The kernel multiplies the f32 product by act'(z) in its epilogue and
+# pre-activation (or, with activation None, the act'(z1) the forward saved: the
+# saved-derivative form, a multiply). The kernel multiplies the f32 product by act'(z) in its epilogue and
 # rounds once (cuBLASLt's DGELU epilogue; XLA runs the product and then a separate
 # elementwise pass). N must be even (z is read two elements at a time): the FFI handler
 # refuses odd N, and the lowering computes those through XLA. Programs spanning several
@@ -116,8 +117,8 @@ dense_grad_p = Primitive("jax_hopper_dense_activation_grad")
 
 
 def _grad_abstract_eval(g, w, z, *, activation):
-    if activation not in ACTIVATIONS or activation is None:
-        raise ValueError(f"jax_hopper_dense_activation_grad: needs an activation, got {activation!r}")
+    if activation not in ACTIVATIONS:  # None: z is the saved act'(z1), a multiply
+        raise ValueError(f"jax_hopper_dense_activation_grad: unknown activation {activation!r}")
     if g.ndim < 2 or w.ndim != 2 or g.shape[-1] != w.shape[1] or z.shape != g.shape[:-1] + (w.shape[0],):
         raise ValueError(f"jax_hopper_dense_activation_grad: inconsistent shapes g{list(g.shape)}, "
                          f"w{list(w.shape)}, z{list(z.shape)}")

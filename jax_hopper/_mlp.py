@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from jax_hopper import _dispatch
 from jax_hopper._autodiff import _contracting_leading_dims, _product, _sharding_of
-from jax_hopper._fallback import ACTIVATION_FNS
+from jax_hopper._fallback import ACTIVATION_FNS, activation_derivative
 from jax_hopper._fused import fused_activation_grad
 from jax_hopper._sharding import is_explicit
 
@@ -50,18 +50,21 @@ def _row_sum(t, dtype):
     return jnp.sum(t, axis=tuple(range(t.ndim - 1)), dtype=jnp.float32).astype(dtype)
 
 
-def _hidden_cotangent(dy, w2, z1, activation):
-    """dz1 = (dy w2^T) * act'(z1): the backward form where the dispatcher picks it, else
-    the product (dispatched like any other) and the activation's VJP on its 16-bit
-    result (jnp's own two passes)."""
+def _hidden_cotangent(dy, w2, kept, activation, derivative):
+    """dz1 = (dy w2^T) * act'(z1), `kept` being z1 or (`derivative`) act'(z1): the
+    backward form where the dispatcher picks it, else the product (dispatched like any
+    other) and, on its 16-bit result, the activation's VJP (jnp's own two passes) or a
+    multiply by the saved derivative."""
     if activation is not None:
         rows = math.prod(dy.shape[:-1])
         problem = _dispatch.problem_of((rows, dy.shape[-1]), w2.shape, dy.dtype, dy.dtype, False, True)
-        explicit = any(is_explicit(_sharding_of(v)) for v in (dy, w2, z1))
+        explicit = any(is_explicit(_sharding_of(v)) for v in (dy, w2, kept))
         if not explicit and _dispatch.choose_activation_grad(problem, activation)[0] == "kernel":
-            return fused_activation_grad(dy, w2, z1, activation=activation)
-    dh = _product(dy, w2, transpose_b=True, like=z1)
-    return jax.vjp(ACTIVATION_FNS[activation], z1)[1](dh)[0]
+            return fused_activation_grad(dy, w2, kept, activation=None if derivative else activation)
+    dh = _product(dy, w2, transpose_b=True, like=kept)
+    if derivative:
+        return dh * kept
+    return jax.vjp(ACTIVATION_FNS[activation], kept)[1](dh)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -76,16 +79,22 @@ def _forward(x, w1, b1, w2, b2, residual, activation):
     z1 = _dense(x, w1, b1)
     h = ACTIVATION_FNS[activation](z1)
     y = _dense(h, w2, b2, residual=residual)
-    # Which optional operands there were, as empty arrays (residuals must be arrays).
-    present = tuple(None if v is None else jnp.zeros((0,), x.dtype) for v in (b1, b2, residual))
-    return y, (x, w1, w2, z1, h, present)
+    # Which optional operands there were, as empty arrays (residuals must be arrays);
+    # the last one marks the saved-derivative form.
+    derivative = _dispatch.saves_derivative(activation)
+    present = tuple(None if v is None else jnp.zeros((0,), x.dtype) for v in (b1, b2, residual, derivative or None))
+    # The saved-derivative form keeps act'(z1) (computed by XLA in the pass that computes
+    # act(z1)) instead of z1: the backward pass then multiplies instead of recomputing act'.
+    kept = activation_derivative(z1, activation) if derivative else z1
+    return y, (x, w1, w2, kept, h, present)
 
 
 def _backward(activation, saved, dy):
-    x, w1, w2, z1, h, (has_b1, has_b2, has_residual) = saved
+    x, w1, w2, kept, h, (has_b1, has_b2, has_residual, derivative) = saved
     dy = dy.astype(x.dtype)
     dw2 = _contracting_leading_dims(h, dy, like=w2)
-    dz1 = _hidden_cotangent(dy, w2, z1, activation)
+    # With act'(z1) saved, the backward form multiplies (its activation None).
+    dz1 = _hidden_cotangent(dy, w2, kept, activation, derivative is not None)
     dw1 = _contracting_leading_dims(x, dz1, like=w1)
     dx = _product(dz1, w1, transpose_b=True, like=x)
     db1 = None if has_b1 is None else _row_sum(dz1, x.dtype)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 import jax_hopper
 from jax_hopper import _dispatch, _ffi
-from jax_hopper._fallback import ACTIVATION_FNS, activation_grad_like_jnp
+from jax_hopper._fallback import ACTIVATION_FNS, activation_derivative, activation_grad_like_jnp
 from jax_hopper._fused import fused_activation_grad
 from jax_hopper._primitive import DEFAULT_KERNEL, KERNELS, gemm
 
@@ -387,6 +387,17 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
                    "jnp": train(plain)}, x, 5),  # + dW2, dh and dW1 (no gradient for x)
         "train mlp op": ({"jax_hopper": _kernel_forced(train(mlp_op)), "jax_hopper auto": _auto(train(mlp_op)),
                           "jnp": train(plain)}, x, 5),
+        # EXPERIMENTAL: the forward saves act'(z1) instead of z1 (the backward multiplies).
+        "train mlp op saved act'": ({"jax_hopper": _saved_derivative(activation, _kernel_forced(train(mlp_op))),
+                                     "jax_hopper auto": _saved_derivative(activation, _auto(train(mlp_op))),
+                                     "jnp": train(plain)}, x, 5),
+        # The multiply alone: dz1 = (dy W2^T) * act'(z1) with act'(z1) saved (our backward
+        # form with no activation; jnp: the product, then a multiply pass).
+        "dz1 times saved act'": ({"jax_hopper": lambda dz, p: fused_activation_grad(dz[0], p[2], dz[1],
+                                                                                    activation=None),
+                                  "jnp": lambda dz, p: activation_grad_like_jnp(dz[0], p[2], dz[1],
+                                                                                activation=None)},
+                                 (x, activation_derivative(pre, activation)), 1),
         # dz1 = (dy W2^T) * act'(z1): the backward form (one launch) against jnp's product and
         # elementwise pass; x stands in for dy (same shape, unit scale), z1 is the real one.
         "dz1 backward form": ({"jax_hopper": lambda dz, p: fused_activation_grad(dz[0], p[2], dz[1],
@@ -419,6 +430,13 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
 def _policy(policy, f):
     def run(*args):
         with jax_hopper.dispatch(policy):  # read while jit traces (the derivative included)
+            return f(*args)
+    return run
+
+
+def _saved_derivative(activation, f):
+    def run(*args):
+        with _dispatch.saved_derivative({activation}):  # read while jit traces
             return f(*args)
     return run
 

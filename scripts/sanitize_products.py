@@ -58,7 +58,8 @@ for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_tanh"), (jnp.b
 # N = 102 (register stores, z read in pairs up to the row's end).
 from jax_hopper._fused import fused_activation_grad  # noqa: E402
 
-for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_exact"), (jnp.bfloat16, (100, 102, 103), "relu")]:
+for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_exact"), (jnp.bfloat16, (100, 102, 103), "relu"),
+                              (jnp.float16, (300, 520, 200), None)]:  # None: times a saved derivative
     ka, kb, kc = jax.random.split(jax.random.key(m * k + n), 3)
     g = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
     w = jax.random.normal(kb, (n, k), jnp.float32).astype(dtype)

@@ -84,6 +84,19 @@ def test_gradients(activation, dtype, policy):
     assert_gradients_as_accurate_as_jnp(mine, operands, activation)
 
 
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+@pytest.mark.parametrize("activation", ["gelu_exact", "silu"])
+def test_gradients_with_the_saved_derivative(activation, policy):
+    """The saved-derivative form (act'(z1) kept instead of z1; the backward multiplies)."""
+    operands = block_operands((2, 40), 24, 72, jnp.bfloat16, seed=13)
+    with jax_hopper.dispatch(policy), _dispatch.saved_derivative({activation}):
+        mine = grads(ours(activation), operands)
+        text = gradient_program(activation, operands, policy)
+    assert_gradients_as_accurate_as_jnp(mine, operands, activation)
+    if policy == "kernel":  # the backward form multiplies: activation 0
+        assert re.search(r"activation = 0 : i32, activation_grad = 1 ", text), "no multiply-form call"
+
+
 def test_value_is_two_fused_dense_layers():
     x, w1, b1, w2, b2 = block_operands((48,), 32, 64, jnp.bfloat16)
     out = jax.jit(ours("gelu_exact"))(x, w1, b1, w2, b2)

@@ -63,6 +63,20 @@ def test_backward_form_matches_the_f32_reference(hopper, shape, dtype, activatio
     assert_backward_form_close(out, g, w, z, activation)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_backward_form_multiplies_a_saved_derivative(hopper, shape, dtype):
+    """activation None: z holds act'(z1) itself, and the epilogue multiplies by it."""
+    m, n, k = shape
+    g, w, d = _operands((m,), n, k, dtype, seed=m * n + k)
+    out, _ = run_into_poison(lambda g, w, d: fused_activation_grad(g, w, d, activation=None), (m, n), dtype, g, w, d)
+    assert not bool(jnp.isnan(out).any()), "unwritten (still poisoned) or NaN elements"
+    ref = jnp.einsum("mk,nk->mn", g.astype(jnp.float32), w.astype(jnp.float32), precision="highest") * \
+        d.astype(jnp.float32)
+    err, err_round = relative_error(out, ref), relative_error(ref.astype(dtype), ref)
+    assert err <= ERROR_FACTOR * err_round + 1e-6, f"{err:.3e} vs rounding alone {err_round:.3e}"
+
+
 def test_backward_form_with_leading_dims_and_odd_width(hopper):
     """Leading dims fold into M; an odd N (z read in pairs) is computed through XLA."""
     for n in (264, 101):

@@ -205,6 +205,8 @@ struct FusedOps {
 
   // The backward form: the cotangent g of act(z) times act'(z), on the SFU as above.
   // ReLU selects, as jax.nn.relu's derivative does (0 at z = 0, and an infinite g stays out).
+  // Without an activation the loaded tensor is act'(z) itself, saved by the forward
+  // pass (jax_hopper.mlp's saved-derivative form): a multiply.
   template <Activation kAct>
   __device__ static float times_derivative(float g, float z) {
     if constexpr (kAct == Activation::kRelu) {
@@ -218,8 +220,8 @@ struct FusedOps {
     } else if constexpr (kAct == Activation::kSilu) {  // s + z s (1 - s) = s (1 + z (1 - s)), s = sigmoid(z)
       const float s = sigmoid_ftz(z);
       return g * s * fmaf(z, 1.0f - s, 1.0f);
-    } else {
-      return g;
+    } else {  // z holds act'(z) already (__fmul_rn: as g * z, but this form does not spill)
+      return __fmul_rn(g, z);
     }
   }
 
@@ -380,8 +382,8 @@ struct FusedOps {
         return apply_as<Activation::kGeluErf, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
       case Activation::kSilu:
         return apply_as<Activation::kSilu, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
-      default:  // no activation: the forward form only (the host refuses a gradient of none)
-        if constexpr (!kGrad) apply_as<Activation::kNone, false>(acc, out, row0, col0, bias_smem, has_bias);
+      default:  // no activation; in the backward form: times a saved act'(z) (times_derivative)
+        apply_as<Activation::kNone, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
     }
   }
 

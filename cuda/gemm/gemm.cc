@@ -136,12 +136,11 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
     // Even lengths and a 4-byte aligned z: the backward form reads z two elements at a
     // time (FusedOps::apply_as).
     constexpr uintptr_t kPairBytes = 4;
-    if (args.activation_grad && (args.residual == nullptr || args.bias != nullptr ||
-                                 args.activation == Activation::kNone || args.n % 2 != 0 ||
+    if (args.activation_grad && (args.residual == nullptr || args.bias != nullptr || args.n % 2 != 0 ||
                                  args.ld_residual % 2 != 0 ||
                                  reinterpret_cast<uintptr_t>(args.residual) % kPairBytes != 0))
-      return Status::Invalid("an activation gradient needs the pre-activation (residual), 4-byte aligned, with even "
-                             "N and row length, an activation and no bias");
+      return Status::Invalid("an activation gradient needs the pre-activation or the saved derivative (residual), "
+                             "4-byte aligned, with even N and row length, and no bias");
   }
   if (args.k == 0) {  // empty sums: C = 0
     for (int64_t b = 0; b < args.batch; ++b) {

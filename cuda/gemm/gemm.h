@@ -52,8 +52,9 @@ struct GemmArgs {
   // With activation_grad (KernelKind::kPersistentFusedGrad only), the backward form
   // instead: C = (A*B) * act'(residual), the residual holding a forward layer's
   // pre-activation z and A*B the cotangent of act(z) (a backward pass's dh = dy W2^T
-  // times gelu'(z1): cuBLASLt's DGELU epilogue). Needs a residual with an even row
-  // length, an even N, an activation, and no bias.
+  // times gelu'(z1): cuBLASLt's DGELU epilogue). With Activation::kNone the residual
+  // holds act'(z) itself (saved by the forward pass): C = (A*B) * residual. Needs a
+  // residual with an even row length, an even N, and no bias.
   const void* bias = nullptr;
   const void* residual = nullptr;
   int64_t ld_residual = 0;
