@@ -66,10 +66,9 @@ FUSED_MISUSE = [  # (bias shape, residual shape, c shape, attributes, message)
     ((0,), (64, 65), (64, 64), {}, "residual must be"),
     ((0,), (0,), (64, 64), {"activation": 9}, "unknown activation"),
     ((0,), (0,), (2, 64, 64), {}, "rank"),
-    # The backward form (activation_grad = 1) needs z (the residual slot), an activation,
-    # no bias, and an even N.
+    # The backward form (activation_grad = 1) needs z or a saved derivative (the residual
+    # slot), no bias, and an even N.
     ((0,), (0,), (64, 64), {"activation": 2, "activation_grad": 1}, "needs the pre-activation"),
-    ((0,), (64, 64), (64, 64), {"activation_grad": 1}, "needs the pre-activation"),
     ((64,), (64, 64), (64, 64), {"activation": 2, "activation_grad": 1}, "needs the pre-activation"),
     ((0,), (0,), (64, 64), {"activation_grad": 2}, "activation_grad must be"),
 ]
