@@ -30,8 +30,14 @@ from jax import lax
 from jax.interpreters import ad
 
 from jax_hopper import _dispatch
-from jax_hopper._fallback import ACTIVATION_FNS, activation_grad_reference, dense_like_jnp, gemm_reference
-from jax_hopper._fused import dense_grad_p, dense_p, fused_dense
+from jax_hopper._fallback import (
+    ACTIVATION_FNS,
+    activation_grad_reference,
+    dense_like_jnp,
+    dense_with_derivative_reference,
+    gemm_reference,
+)
+from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p, fused_dense
 from jax_hopper._primitive import gemm, gemm_p
 from jax_hopper._sharding import is_explicit, merge_drops_explicit_sharding, padded_spec
 
@@ -204,3 +210,20 @@ def _dense_grad_jvp(primals, tangents, *, activation):
 
 
 ad.primitive_jvps[dense_grad_p] = _dense_grad_jvp
+
+
+# ---- the forward form that also writes act'(z) (second-order gradients of mlp) ---------
+# Both outputs keep the kernel's values; their tangents are those of the reference
+# arithmetic (act' and act'' by jax), in the operands' type.
+def _dense_derivative_jvp(primals, tangents, *, activation, has_bias):
+    outs = dense_derivative_p.bind(*primals, activation=activation, has_bias=has_bias)
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+
+    def reference(x, w, b):
+        return dense_with_derivative_reference(x, w, b if has_bias else None, activation=activation)
+
+    _, douts = jax.jvp(reference, primals, tangents)
+    return outs, list(douts)
+
+
+ad.primitive_jvps[dense_derivative_p] = _dense_derivative_jvp

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax.interpreters import batching
 
 from jax_hopper import _dispatch
-from jax_hopper._fallback import activation_grad_reference, dense_reference
-from jax_hopper._fused import dense_grad_p, dense_p
+from jax_hopper._fallback import activation_grad_reference, dense_reference, dense_with_derivative_reference
+from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p
 from jax_hopper._primitive import SMALL_M_KERNEL, gemm_p, stages_of
 from jax_hopper._sharding import merge_drops_explicit_sharding
 
@@ -117,3 +117,24 @@ def _dense_grad_batch_rule(args, dims, *, activation):
 
 
 batching.primitive_batchers[dense_grad_p] = _dense_grad_batch_rule
+
+
+def _dense_derivative_batch_rule(args, dims, *, activation, has_bias):
+    """vmap over the derivative form: a vmapped x against a shared w and bias joins its
+    leading dims (one launch); per-example weights take the reference arithmetic."""
+    x, w, bias = args
+    dx, dw, db = dims
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
+    if dw is NOT_MAPPED and db is NOT_MAPPED:
+        outs = dense_derivative_p.bind(_to_front(x, dx, size), w, bias, activation=activation, has_bias=has_bias)
+        return outs, [0, 0]
+
+    def reference(x, w, b):
+        return dense_with_derivative_reference(x, w, b if has_bias else None, activation=activation)
+
+    bias = bias if has_bias else jnp.zeros((0,), x.dtype)
+    db = db if has_bias else NOT_MAPPED
+    return list(jax.vmap(reference)(*[_to_front(a, d, size) for a, d in zip((x, w, bias), (dx, dw, db))])), [0, 0]
+
+
+batching.primitive_batchers[dense_derivative_p] = _dense_derivative_batch_rule

@@ -250,12 +250,13 @@ def choose_activation_grad(problem: Problem, activation: str | None, policy: str
     return "xla", "backward-form-slower"
 
 
-# EXPERIMENTAL (branch exp-saved-derivative, not measured yet): activations whose
-# forward pass in ops.mlp saves act'(z1), computed in the same XLA pass as act(z1),
+# The saved-derivative form of ops.mlp: activations whose forward pass saves act'(z1)
 # instead of z1. The backward then multiplies (dh * act'(z1): a cheap pass, or the
 # backward form's multiply) instead of recomputing act' from z1 -- for exact GELU,
 # XLA's backward erf pass took 0.42 ms at 8192x4096x16384 against ~0.21 ms for a
-# multiply. Empty until measured.
+# multiply. The forward computes act'(z1) next to act(z1): in the epilogue of the
+# derivative kind (choose_dense_with_derivative) or in XLA's activation pass.
+# Empty until measured.
 SAVED_DERIVATIVE_ACTIVATIONS: frozenset = frozenset()
 _saved_derivative_override: list = []
 
@@ -274,6 +275,23 @@ def saved_derivative(activations):
         yield
     finally:
         _saved_derivative_override.pop()
+
+
+# The derivative kind writes act'(z) by TMA only: rows of a multiple of 8 elements.
+DERIVATIVE_WIDTH_MULTIPLE = 8
+
+
+def choose_dense_with_derivative(problem: Problem, activation: str | None,
+                                 policy: str | None = None) -> tuple[str, str]:
+    """(path, rule) for the saved-derivative form's first layer, act(z1) and act'(z1)
+    with z1 = x w1 + b1 (problem: x w1): "kernel" is one launch of the derivative kind;
+    "xla" is the layer (ops.dense's pick) followed by XLA's pass computing both."""
+    policy = current_policy() if policy is None else policy
+    if problem.n % DERIVATIVE_WIDTH_MULTIPLE:
+        return "xla", "derivative-width-not-multiple-of-8"
+    if policy == "kernel" or (policy == "auto" and fused_activation_wins(problem, activation)):
+        return _runnable("kernel", "policy=kernel" if policy == "kernel" else "fused-activation")
+    return "xla", f"policy={policy}" if policy != "auto" else "fused-activation-not-ahead"
 
 
 def choose(problem: Problem, policy: str | None = None) -> tuple[str, str]:

@@ -81,6 +81,15 @@ def activation_grad_like_jnp(g, w, z, *, activation):
     return jax.vjp(ACTIVATION_FNS[activation], z)[1](dh)[0]
 
 
+def dense_with_derivative_reference(x, w, bias, *, activation):
+    """(act(z), act'(z)) for z = x @ w + bias with the derivative kernel's arithmetic: f32
+    product and sum, both functions of the f32 z, each rounded once to x's type."""
+    z = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    return ACTIVATION_FNS[activation](z).astype(x.dtype), activation_derivative(z, activation).astype(x.dtype)
+
+
 def dense_epilogue(z, bias, residual, *, activation, dtype):
     """act(z + bias) + residual in f32 for an f32 product z, rounded once to dtype."""
     if bias is not None:

@@ -18,7 +18,12 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_hopper import _ffi
-from jax_hopper._fallback import ACTIVATION_FNS, activation_grad_reference, dense_reference
+from jax_hopper._fallback import (
+    ACTIVATION_FNS,
+    activation_grad_reference,
+    dense_reference,
+    dense_with_derivative_reference,
+)
 from jax_hopper._primitive import (
     KERNEL_DTYPES,
     _match_varying_axes,
@@ -154,3 +159,57 @@ mlir.register_lowering(dense_grad_p, local_only_lowering(_grad_cuda_impl, _grad_
 def fused_activation_grad(g, w, z, *, activation):
     """Binds the backward form for g [..., M, K], w [N, K], z [..., M, N] of one 16-bit type."""
     return dense_grad_p.bind(*_match_varying_axes(g, w, z), activation=activation)
+
+
+# ---- the forward form that also writes act'(z): (act(z), act'(z)), z = x @ w + bias -----
+# jax_hopper.mlp's saved-derivative form: the forward keeps act'(z1) for the backward
+# pass to multiply by (dz1 = dh * act'(z1)), instead of keeping z1 and recomputing act'
+# (for exact GELU an erf per element, which XLA's backward pass spends 0.42 ms on at
+# 8192x16384). Both outputs are functions of the f32 z, each rounded once; there is no
+# residual. x [..., M, K], w [K, N], bias [N] (or absent), one 16-bit type. D is written
+# by TMA only, so N must be a multiple of 8: the lowering computes other widths, and
+# programs spanning several devices, through XLA (no partitioning rules of its own).
+# Its derivatives (second order) are those of the reference arithmetic.
+DERIVATIVE_ROW_MULTIPLE = 8
+dense_derivative_p = Primitive("jax_hopper_dense_with_derivative")
+dense_derivative_p.multiple_results = True
+
+
+def _derivative_abstract_eval(x, w, bias, *, activation, has_bias):
+    if activation is None or activation not in ACTIVATIONS:
+        raise ValueError(f"jax_hopper_dense_with_derivative: needs an activation, got {activation!r}")
+    aval = _abstract_eval(x, w, bias, _absent(x.dtype), activation=activation, has_bias=has_bias, has_residual=False)
+    return aval, aval
+
+
+def _derivative_default_impl(x, w, bias, *, activation, has_bias):
+    return dense_with_derivative_reference(x, w, _optional(bias, has_bias), activation=activation)
+
+
+def _derivative_cuda_impl(x, w, bias, *, activation, has_bias):
+    reason = _ffi.kernel_unavailable_reason()
+    if reason is not None:
+        _ffi.warn_no_kernel_once(reason)
+        return _derivative_default_impl(x, w, bias, activation=activation, has_bias=has_bias)
+    if w.shape[1] % DERIVATIVE_ROW_MULTIPLE:
+        return _derivative_default_impl(x, w, bias, activation=activation, has_bias=has_bias)
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[1],), x.dtype)
+    x, w = _pad_for_tma(x, w, False, False)
+    call = jax.ffi.ffi_call(_ffi.GEMM_FUSED_DERIVATIVE_TARGET, (out, out))
+    return call(x, w, bias if has_bias else _absent(x.dtype), transpose_a=np.int32(0), transpose_b=np.int32(0),
+                activation=np.int32(ACTIVATIONS[activation]))
+
+
+dense_derivative_p.def_impl(eager_impl(dense_derivative_p))
+dense_derivative_p.def_abstract_eval(_derivative_abstract_eval)
+mlir.register_lowering(dense_derivative_p, local_only_lowering(_derivative_default_impl, _derivative_default_impl,
+                                                                multiple_results=True))
+mlir.register_lowering(dense_derivative_p, local_only_lowering(_derivative_cuda_impl, _derivative_default_impl,
+                                                                multiple_results=True), platform="cuda")
+
+
+def fused_dense_with_derivative(x, w, bias=None, *, activation):
+    """Binds the derivative form for x [..., M, K], w [K, N], bias [N] of one 16-bit
+    type: returns (act(x w + bias), act'(x w + bias))."""
+    operands = _match_varying_axes(x, w, _absent(x.dtype) if bias is None else bias)
+    return tuple(dense_derivative_p.bind(*operands, activation=activation, has_bias=bias is not None))

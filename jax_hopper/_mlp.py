@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax_hopper import _dispatch
 from jax_hopper._autodiff import _contracting_leading_dims, _product, _sharding_of
 from jax_hopper._fallback import ACTIVATION_FNS, activation_derivative
-from jax_hopper._fused import fused_activation_grad
+from jax_hopper._fused import fused_activation_grad, fused_dense_with_derivative
 from jax_hopper._sharding import is_explicit
 
 
@@ -75,17 +75,31 @@ def mlp_block(x, w1, b1, w2, b2, residual, activation):
     return _dense(h, w2, b2, residual=residual)
 
 
-def _forward(x, w1, b1, w2, b2, residual, activation):
+def _activation_and_derivative(x, w1, b1, activation):
+    """(act(z1), act'(z1)) for z1 = x w1 + b1: one launch of the derivative kind (both
+    from the f32 z1) where the dispatcher picks it, else the layer (dispatched as in
+    `dense`) and one XLA pass computing both from its 16-bit result."""
+    problem = _dispatch.problem_of((math.prod(x.shape[:-1]), x.shape[-1]), w1.shape, x.dtype, x.dtype, False, False)
+    explicit = any(is_explicit(_sharding_of(v)) for v in (x, w1, b1) if v is not None)
+    if not explicit and _dispatch.choose_dense_with_derivative(problem, activation)[0] == "kernel":
+        return fused_dense_with_derivative(x, w1, b1, activation=activation)
     z1 = _dense(x, w1, b1)
-    h = ACTIVATION_FNS[activation](z1)
+    return ACTIVATION_FNS[activation](z1), activation_derivative(z1, activation)
+
+
+def _forward(x, w1, b1, w2, b2, residual, activation):
+    # The saved-derivative form keeps act'(z1) instead of z1: the backward pass then
+    # multiplies instead of recomputing act'.
+    derivative = _dispatch.saves_derivative(activation)
+    if derivative:
+        h, kept = _activation_and_derivative(x, w1, b1, activation)
+    else:
+        kept = _dense(x, w1, b1)
+        h = ACTIVATION_FNS[activation](kept)
     y = _dense(h, w2, b2, residual=residual)
     # Which optional operands there were, as empty arrays (residuals must be arrays);
     # the last one marks the saved-derivative form.
-    derivative = _dispatch.saves_derivative(activation)
     present = tuple(None if v is None else jnp.zeros((0,), x.dtype) for v in (b1, b2, residual, derivative or None))
-    # The saved-derivative form keeps act'(z1) (computed by XLA in the pass that computes
-    # act(z1)) instead of z1: the backward pass then multiplies instead of recomputing act'.
-    kept = activation_derivative(z1, activation) if derivative else z1
     return y, (x, w1, w2, kept, h, present)
 
 

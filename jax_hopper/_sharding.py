@@ -322,13 +322,13 @@ def _local_or_partitioned(local_impl, partitioned_impl, explicit_impl, xla_impl)
     return rule
 
 
-def local_only_lowering(local_impl, xla_impl):
+def local_only_lowering(local_impl, xla_impl, multiple_results=False):
     """A lowering rule computing local_impl on one device (or in a shard_map body manual
     over every axis that spans devices), and xla_impl, which XLA partitions itself,
     wherever the program spans several: for a primitive with no partitioning rules of
-    its own (the MLP's backward form)."""
-    direct = mlir.lower_fun(local_impl, multiple_results=False)
-    by_xla = mlir.lower_fun(xla_impl, multiple_results=False)
+    its own (the MLP's backward form, the dense layer that also writes act')."""
+    direct = mlir.lower_fun(local_impl, multiple_results=multiple_results)
+    by_xla = mlir.lower_fun(xla_impl, multiple_results=multiple_results)
 
     def rule(ctx, *args, **params):
         return (by_xla if _spans_devices(ctx) else direct)(ctx, *args, **params)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import jax_hopper
 from jax_hopper import _dispatch, _ffi
 from jax_hopper._fallback import ACTIVATION_FNS, activation_derivative, activation_grad_like_jnp
-from jax_hopper._fused import fused_activation_grad
+from jax_hopper._fused import fused_activation_grad, fused_dense_with_derivative
 from jax_hopper._primitive import DEFAULT_KERNEL, KERNELS, gemm
 
 L2_BYTES = 60 * 2**20  # H200
@@ -387,7 +387,8 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
                    "jnp": train(plain)}, x, 5),  # + dW2, dh and dW1 (no gradient for x)
         "train mlp op": ({"jax_hopper": _kernel_forced(train(mlp_op)), "jax_hopper auto": _auto(train(mlp_op)),
                           "jnp": train(plain)}, x, 5),
-        # EXPERIMENTAL: the forward saves act'(z1) instead of z1 (the backward multiplies).
+        # The saved-derivative form: the forward saves act'(z1) instead of z1 (the
+        # derivative kind where the dispatcher picks it), the backward multiplies.
         "train mlp op saved act'": ({"jax_hopper": _saved_derivative(activation, _kernel_forced(train(mlp_op))),
                                      "jax_hopper auto": _saved_derivative(activation, _auto(train(mlp_op))),
                                      "jnp": train(plain)}, x, 5),
@@ -405,6 +406,12 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
                                "jnp": lambda dz, p: activation_grad_like_jnp(dz[0], p[2], dz[1],
                                                                              activation=activation)},
                               (x, pre), 1),
+        # act(z1) and act'(z1) of z1 = x W1 + b1: the derivative kind (one launch, both from
+        # the f32 z1) against jnp's product and one pass computing both.
+        "dense1 act and act'": ({"jax_hopper": lambda xh, p: fused_dense_with_derivative(xh[0], p[0], p[1],
+                                                                                         activation=activation),
+                                 "jnp": lambda xh, p: _with_derivative(xh[0] @ p[0] + p[1], activation)},
+                                (x, hidden), 1),
         "dense1 bias+act": ({"jax_hopper": _kernel_forced(dense1), "jax_hopper auto": _auto(dense1),
                                        "jnp": lambda xh, p: act(xh[0] @ p[0] + p[1])}, (x, hidden), 1),
         "dense2 bias+resid": ({"jax_hopper": _kernel_forced(dense2),
@@ -432,6 +439,10 @@ def _policy(policy, f):
         with jax_hopper.dispatch(policy):  # read while jit traces (the derivative included)
             return f(*args)
     return run
+
+
+def _with_derivative(z, activation):
+    return ACTIVATION_FNS[activation](z), activation_derivative(z, activation)
 
 
 def _saved_derivative(activation, f):

@@ -67,3 +67,16 @@ for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_exact"), (jnp.
     out = jax.jit(lambda *a: fused_activation_grad(*a, activation=act))(g, w, z)
     out.block_until_ready()
     print("activation grad", dtype.__name__, m, n, k, act, "done", flush=True)
+
+# The derivative form, act(x w + b) and act'(x w + b) as two TMA-stored outputs, on
+# partial tiles (M, N past a tile; odd K: x and w padded).
+from jax_hopper._fused import fused_dense_with_derivative  # noqa: E402
+
+for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_exact"), (jnp.bfloat16, (300, 520, 103), "silu")]:
+    ka, kb, kc = jax.random.split(jax.random.key(m * k + n + 1), 3)
+    x = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
+    w = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(kc, (n,), jnp.float32).astype(dtype)
+    outs = jax.jit(lambda *a: fused_dense_with_derivative(*a, activation=act))(x, w, b)
+    jax.block_until_ready(outs)
+    print("derivative form", dtype.__name__, m, n, k, act, "done", flush=True)

@@ -48,12 +48,21 @@ def run_into_poison(fn, out_shape, dtype, *args):
     aliases it to the output: any element the kernel fails to write stays NaN. Returns
     (output, whether the output really is the poisoned buffer).
     """
-    poison = jnp.full(out_shape, jnp.nan, dtype)
-    ptr = poison.unsafe_buffer_pointer()
-    # keep_unused: otherwise jit prunes the unused poison argument and nothing is aliased.
-    out = jax.jit(lambda p, *xs: fn(*xs), donate_argnums=0, keep_unused=True)(poison, *args)
-    jax.block_until_ready(out)
-    return out, out.unsafe_buffer_pointer() == ptr
+    (out,), aliased = run_into_poisons(lambda *xs: (fn(*xs),), [out_shape], dtype, *args)
+    return out, aliased
+
+
+def run_into_poisons(fn, out_shapes, dtype, *args):
+    """run_into_poison for fn returning a tuple of outputs, one NaN buffer each; returns
+    (outputs, whether every output really is its poisoned buffer)."""
+    poisons = [jnp.full(shape, jnp.nan, dtype) for shape in out_shapes]
+    ptrs = [p.unsafe_buffer_pointer() for p in poisons]
+    count = len(poisons)
+    # keep_unused: otherwise jit prunes the unused poison arguments and nothing is aliased.
+    outs = jax.jit(lambda *ps_xs: fn(*ps_xs[count:]), donate_argnums=tuple(range(count)),
+                   keep_unused=True)(*poisons, *args)
+    jax.block_until_ready(outs)
+    return outs, [o.unsafe_buffer_pointer() for o in outs] == ptrs
 
 
 # One unit in the last place, relative, of each output type: two correct results that

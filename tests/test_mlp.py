@@ -13,6 +13,7 @@ missing residual path is far outside it.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -25,6 +26,7 @@ from test_dense import ACTIVATIONS, F32_ACT
 import jax_hopper
 from jax_hopper import _dispatch
 from jax_hopper._fallback import activation_derivative, activation_grad_like_jnp, activation_grad_reference
+from jax_hopper._fused import fused_dense_with_derivative
 
 ERROR_FACTOR = 1.5
 ARGNUMS = (0, 1, 2, 3, 4)  # x, w1, b1, w2, b2
@@ -85,16 +87,62 @@ def test_gradients(activation, dtype, policy):
 
 
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
-@pytest.mark.parametrize("activation", ["gelu_exact", "silu"])
-def test_gradients_with_the_saved_derivative(activation, policy):
-    """The saved-derivative form (act'(z1) kept instead of z1; the backward multiplies)."""
-    operands = block_operands((2, 40), 24, 72, jnp.bfloat16, seed=13)
+@pytest.mark.parametrize("activation", [a for a in ACTIVATIONS if a])
+@pytest.mark.parametrize("f", [72, 36], ids=["F72", "F36"])
+def test_gradients_with_the_saved_derivative(activation, policy, f):
+    """The saved-derivative form (act'(z1) kept instead of z1; the backward multiplies).
+    F = 36 is not a multiple of 8: the forward computes act and act' through XLA."""
+    operands = block_operands((2, 40), 24, f, jnp.bfloat16, seed=13)
     with jax_hopper.dispatch(policy), _dispatch.saved_derivative({activation}):
         mine = grads(ours(activation), operands)
         text = gradient_program(activation, operands, policy)
     assert_gradients_as_accurate_as_jnp(mine, operands, activation)
-    if policy == "kernel":  # the backward form multiplies: activation 0
+    calls = sorted(re.findall(r"stablehlo\.custom_call @(\S+)\(", text))
+    if policy == "kernel":
+        # forward: act and act' of x w1 + b1 (derivative kind, F72) or the fused x w1 + b1
+        # and XLA's pass (F36), then h w2 + b2 + x fused; backward: the multiply form
+        # (activation 0), h^T dy, x^T dz1, dz1 w1^T.
+        forward = ["jax_hopper_gemm_fused_derivative"] if f % 8 == 0 else ["jax_hopper_gemm_fused"]
+        assert calls == sorted(["jax_hopper_gemm"] * 3 + ["jax_hopper_gemm_fused"] * 2 + forward), calls
         assert re.search(r"activation = 0 : i32, activation_grad = 1 ", text), "no multiply-form call"
+    else:  # shapes this small stay on XLA
+        assert "jax_hopper_gemm_fused_derivative" not in text
+
+
+def test_saved_derivative_dispatch():
+    problem = _dispatch.problem_of((8192, 4096), (4096, 16384), jnp.float16, jnp.float16, False, False)
+    assert _dispatch.choose_dense_with_derivative(problem, "gelu_exact", "auto") == ("kernel", "fused-activation")
+    assert _dispatch.choose_dense_with_derivative(problem, "relu", "auto")[0] == "xla"
+    assert _dispatch.choose_dense_with_derivative(problem, "relu", "kernel") == ("kernel", "policy=kernel")
+    assert _dispatch.choose_dense_with_derivative(problem, "silu", "xla") == ("xla", "policy=xla")
+    odd = _dispatch.problem_of((8192, 4096), (4096, 16380), jnp.float16, jnp.float16, False, False)
+    assert _dispatch.choose_dense_with_derivative(odd, "gelu_exact", "kernel") == (
+        "xla", "derivative-width-not-multiple-of-8")
+
+
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_derivative_form_reference_and_vmap(has_bias):
+    """The derivative form's values (the reference arithmetic where the kernel cannot run),
+    vmapped over x (one call) and over per-example weights (the reference)."""
+    x, w1, b1, _, _ = block_operands((3, 10), 16, 40, jnp.float16, seed=21)
+    b1 = b1 if has_bias else None
+    f = functools.partial(fused_dense_with_derivative, activation="gelu_exact")
+    h, d = jax.jit(f)(x, w1, b1)
+    z = jnp.einsum("bmk,kn->bmn", x.astype(jnp.float32), w1.astype(jnp.float32), precision="highest")
+    z = z + (0 if b1 is None else b1.astype(jnp.float32))
+    d_exact = jax.vmap(jax.grad(F32_ACT["gelu_exact"]))(z.ravel()).reshape(z.shape)
+    for out, ref in ((h, F32_ACT["gelu_exact"](z)), (d, d_exact)):
+        assert out.dtype == jnp.float16
+        assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(ref.astype(jnp.float16), ref) + 1e-6
+    hv, dv = jax.jit(jax.vmap(lambda x: f(x, w1, b1)))(x)
+    np.testing.assert_array_equal(np.asarray(hv), np.asarray(h))
+    np.testing.assert_array_equal(np.asarray(dv), np.asarray(d))
+    ws = jnp.stack([w1, w1 * 0.5, -w1])
+    hw, dw = jax.jit(jax.vmap(lambda x, w: f(x, w, b1)))(x, ws)
+    for i in range(3):
+        hi, di = f(x[i], ws[i], b1)
+        np.testing.assert_array_equal(np.asarray(hw[i]), np.asarray(hi))
+        np.testing.assert_array_equal(np.asarray(dw[i]), np.asarray(di))
 
 
 def test_value_is_two_fused_dense_layers():
@@ -138,8 +186,9 @@ def test_vmap_matches_per_example():
     assert dx.shape == x.shape and bool(jnp.isfinite(dx).all())
 
 
+@pytest.mark.parametrize("saved", [False, True], ids=["z1", "saved_act'"])
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
-def test_per_example_gradients_of_vectors(policy):
+def test_per_example_gradients_of_vectors(policy, saved):
     """vmap of grad with 1-D examples x [D] (the per-example-gradient pattern)."""
     x, w1, b1, w2, b2 = block_operands((4,), 16, 40, jnp.float16, seed=9)
 
@@ -148,7 +197,7 @@ def test_per_example_gradients_of_vectors(policy):
                                                                    residual=x).astype(jnp.float32) ** 2),
                         argnums=(0, 1))(x, w1)
 
-    with jax_hopper.dispatch(policy):
+    with jax_hopper.dispatch(policy), _dispatch.saved_derivative({"silu"} if saved else ()):
         dx, dw1 = jax.jit(jax.vmap(per_example, in_axes=(0, None)))(x, w1)
     assert dx.shape == x.shape and dw1.shape == (4,) + w1.shape
     for i in range(4):
@@ -158,9 +207,11 @@ def test_per_example_gradients_of_vectors(policy):
         assert relative_error(dx[i], exact[0]) < 2e-2 and relative_error(dw1[i], exact[1]) < 2e-2
 
 
+@pytest.mark.parametrize("saved", [False, True], ids=["z1", "saved_act'"])
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
-def test_second_order_gradient(policy):
-    """grad of grad runs through the backward form's own derivative (its reference's)."""
+def test_second_order_gradient(policy, saved):
+    """grad of grad runs through the backward form's own derivative (its reference's),
+    and in the saved-derivative form through the derivative kind's."""
     operands = block_operands((16,), 8, 24, jnp.float16, seed=11)
 
     def gnorm(block, dtype=None):
@@ -168,7 +219,7 @@ def test_second_order_gradient(policy):
             g = jax.grad(loss(block), argnums=1)(*p)
             return jnp.sum(g.astype(jnp.float32) ** 2)
         ops = operands if dtype is None else [v.astype(dtype) for v in operands]
-        with jax_hopper.dispatch(policy):
+        with jax_hopper.dispatch(policy), _dispatch.saved_derivative({"gelu_tanh"} if saved else ()):
             return jax.jit(jax.grad(f, argnums=0))(*ops)
 
     exact = gnorm(plain_block("gelu_tanh"), jnp.float32)

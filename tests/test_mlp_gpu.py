@@ -14,12 +14,13 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import relative_error, run_into_poison, seed_normal
+from helpers import relative_error, run_into_poison, run_into_poisons, seed_normal
 from test_dense import ACTIVATIONS, ERROR_FACTOR, F32_ACT
 from test_mlp import ARGNUMS, assert_gradients_as_accurate_as_jnp, block_operands, grads, loss, ours
 
 import jax_hopper
-from jax_hopper._fused import fused_activation_grad
+from jax_hopper import _dispatch
+from jax_hopper._fused import fused_activation_grad, fused_dense_with_derivative
 
 SHAPES = [  # (M, N, K): g [M, K], w [N, K], z [M, N]
     (4096, 4096, 4096),
@@ -75,6 +76,67 @@ def test_backward_form_multiplies_a_saved_derivative(hopper, shape, dtype):
         d.astype(jnp.float32)
     err, err_round = relative_error(out, ref), relative_error(ref.astype(dtype), ref)
     assert err <= ERROR_FACTOR * err_round + 1e-6, f"{err:.3e} vs rounding alone {err_round:.3e}"
+
+
+DERIVATIVE_SHAPES = [  # (M, N, K): x [M, K], w [K, N]; N a multiple of 8 (D is TMA-stored)
+    (4096, 4096, 4096),
+    (1000, 600, 520),  # partial tiles in M and N, K not a multiple of 64
+    (129, 264, 72),  # one row past a tile
+    (100, 104, 103),  # odd K: x and w padded for TMA
+]
+
+
+@pytest.mark.parametrize("activation", [a for a in ACTIVATIONS if a])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("shape", DERIVATIVE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_derivative_form_matches_the_f32_reference(hopper, shape, dtype, activation):
+    """act(x w + b) and act'(x w + b), both from the f32 sum, each rounded once."""
+    m, n, k = shape
+    kx, kw, kb = jax.random.split(jax.random.key(m + 3 * n + k), 3)
+    x = seed_normal(kx, (m, k), dtype, k)
+    w = seed_normal(kw, (k, n), dtype, k)
+    b = jax.random.normal(kb, (n,), jnp.float32).astype(dtype)
+    (h, d), _ = run_into_poisons(lambda x, w, b: fused_dense_with_derivative(x, w, b, activation=activation),
+                                 [(m, n), (m, n)], dtype, x, w, b)
+    assert not bool(jnp.isnan(h).any() | jnp.isnan(d).any()), "unwritten (still poisoned) or NaN elements"
+    z = jnp.einsum("mk,kn->mn", x.astype(jnp.float32), w.astype(jnp.float32), precision="highest") + \
+        b.astype(jnp.float32)
+    h_ref = F32_ACT[activation](z)
+    d_ref = jax.vmap(jax.grad(F32_ACT[activation]))(z.ravel()).reshape(z.shape)
+    if activation == "relu":
+        # act' is a step: exact away from 0; where the f32 sums of kernel and reference may
+        # differ in sign (|z| within their summation error of 0) either side is right.
+        sure = jnp.abs(z) > 1e-3
+        assert bool(jnp.all(jnp.where(sure, d == d_ref, (d == 0) | (d == 1)))), "wrong step"
+        d, d_ref = jnp.where(sure, d, 0).astype(dtype), jnp.where(sure, d_ref, 0)
+    for name, out, ref in (("act", h, h_ref), ("act'", d, d_ref)):
+        err, err_round = relative_error(out, ref), relative_error(ref.astype(dtype), ref)
+        assert err <= ERROR_FACTOR * err_round + 1e-6, f"{name}: {err:.3e} vs rounding alone {err_round:.3e}"
+
+
+def test_derivative_form_with_leading_dims_and_other_widths(hopper):
+    """Leading dims fold into M; an N that is not a multiple of 8 is computed through XLA."""
+    for n in (264, 100):
+        x = seed_normal(jax.random.key(n), (3, 70, 136), jnp.bfloat16, 136)
+        w = seed_normal(jax.random.key(n + 1), (136, n), jnp.bfloat16, 136)
+        h, d = jax.jit(lambda x, w: fused_dense_with_derivative(x, w, activation="gelu_exact"))(x, w)
+        z = jnp.einsum("bmk,kn->bmn", x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+        d_ref = jax.vmap(jax.grad(F32_ACT["gelu_exact"]))(z.ravel()).reshape(z.shape)
+        assert h.shape == d.shape == (3, 70, n)
+        for out, ref in ((h, F32_ACT["gelu_exact"](z)), (d, d_ref)):
+            assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(ref.astype(out.dtype), ref) + 1e-6
+
+
+@pytest.mark.parametrize("activation", [a for a in ACTIVATIONS if a])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+def test_block_gradients_with_the_saved_derivative_on_the_kernel(hopper, dtype, activation):
+    """The forward writes act'(z1) (derivative kind), the backward multiplies by it."""
+    operands = block_operands((2, 300), 264, 1000, dtype, seed=19)
+    with jax_hopper.dispatch("kernel"), _dispatch.saved_derivative({activation}):
+        mine = grads(ours(activation), operands)
+        hlo = jax.jit(jax.grad(loss(ours(activation)), argnums=ARGNUMS)).lower(*operands).compile().as_text()
+    assert 'custom_call_target="jax_hopper_gemm_fused_derivative"' in hlo
+    assert_gradients_as_accurate_as_jnp(mine, operands, activation)
 
 
 def test_backward_form_with_leading_dims_and_odd_width(hopper):

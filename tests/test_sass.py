@@ -80,6 +80,7 @@ KIND_EXTRAS = {
     8: [*TMA_STORE],  # small_m (decode: no cluster, one consumer warpgroup, producer warp)
     9: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_pingpong (experimental: 128x128 per warpgroup)
     10: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused_grad (the MLP's backward form)
+    11: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused_derivative (act and act' written)
 }
 F16_ACCUMULATION_KIND = 7
 PINGPONG_KIND = 9

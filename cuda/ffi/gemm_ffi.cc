@@ -157,21 +157,35 @@ constexpr int32_t kNumActivations = sizeof(kActivations) / sizeof(kActivations[0
 // residual (c's shape) of that type, each passed as an empty array when absent. With
 // activation_grad = 1, the backward form C = (A * B) * act'(residual) instead (the
 // residual is the pre-activation z; gemm.h: GemmArgs::activation_grad).
-ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
-                         ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> c, int32_t transpose_a,
-                         int32_t transpose_b, int32_t activation, int32_t activation_grad) {
-  GemmArgs args;
+// The fused handlers' shared part: decode, a rank-2 b, c of the operands' type, the
+// optional bias [N] and the activation.
+ffi::Error decode_fused(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer>& c,
+                        int32_t transpose_a, int32_t transpose_b, int32_t activation, GemmArgs& args) {
   if (ffi::Error err = decode(a, b, c, transpose_a, transpose_b, args); err.failure()) return err;
   const auto type = a.element_type();
   if (b.dimensions().size() != 2 || c->element_type() != type)
     return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: b must be rank 2 and c of the operands' type");
-  const auto db = bias.dimensions(), dr = residual.dimensions(), dc = c->dimensions();
+  const auto db = bias.dimensions();
   if (bias.element_count() != 0) {
     if (bias.element_type() != type || db.size() != 1 || db[0] != args.n)
       return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: bias must be [N] of the operands' type, got " +
                                          shape_str(db));
     args.bias = bias.untyped_data();
   }
+  if (activation < 0 || activation >= kNumActivations)
+    return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: unknown activation " + std::to_string(activation));
+  args.activation = kActivations[activation];
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
+                         ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> c, int32_t transpose_a,
+                         int32_t transpose_b, int32_t activation, int32_t activation_grad) {
+  GemmArgs args;
+  if (ffi::Error err = decode_fused(a, b, bias, c, transpose_a, transpose_b, activation, args); err.failure())
+    return err;
+  const auto type = a.element_type();
+  const auto dr = residual.dimensions(), dc = c->dimensions();
   if (residual.element_count() != 0) {
     if (residual.element_type() != type || !std::equal(dr.begin(), dr.end(), dc.begin(), dc.end()))
       return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: residual must be c's shape " + shape_str(dc) +
@@ -179,14 +193,29 @@ ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
     args.residual = residual.untyped_data();
     args.ld_residual = args.n;
   }
-  if (activation < 0 || activation >= kNumActivations)
-    return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: unknown activation " + std::to_string(activation));
-  args.activation = kActivations[activation];
   if (activation_grad != 0 && activation_grad != 1)
     return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: activation_grad must be 0 or 1");
   args.activation_grad = activation_grad == 1;
   KernelChoice choice;
   choice.kind = args.activation_grad ? KernelKind::kPersistentFusedGrad : KernelKind::kPersistentFused;
+  return to_ffi(gemm(args, choice, stream));
+}
+
+// C = act(A * B + bias) and D = act'(A * B + bias): the contract of GemmFusedImpl with
+// no residual and no gradient form, plus the second result d of c's shape and type.
+ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
+                                   ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> d,
+                                   int32_t transpose_a, int32_t transpose_b, int32_t activation) {
+  GemmArgs args;
+  if (ffi::Error err = decode_fused(a, b, bias, c, transpose_a, transpose_b, activation, args); err.failure())
+    return err;
+  const auto dc = c->dimensions(), dd = d->dimensions();
+  if (d->element_type() != c->element_type() || !std::equal(dd.begin(), dd.end(), dc.begin(), dc.end()))
+    return ffi::Error::InvalidArgument("jax_hopper_gemm_fused_derivative: d must have c's shape " + shape_str(dc) +
+                                       " and type, got " + shape_str(dd));
+  args.derivative = d->untyped_data();
+  KernelChoice choice;
+  choice.kind = KernelKind::kPersistentFusedDerivative;
   return to_ffi(gemm(args, choice, stream));
 }
 
@@ -217,3 +246,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFused, jax_hopper::GemmFusedImpl,
                                   .Attr<int32_t>("transpose_b")
                                   .Attr<int32_t>("activation")
                                   .Attr<int32_t>("activation_grad"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFusedDerivative, jax_hopper::GemmFusedDerivativeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Arg<ffi::AnyBuffer>()  // bias ([N] or empty)
+                                  .Ret<ffi::AnyBuffer>()  // c = act(a b + bias)
+                                  .Ret<ffi::AnyBuffer>()  // d = act'(a b + bias)
+                                  .Attr<int32_t>("transpose_a")
+                                  .Attr<int32_t>("transpose_b")
+                                  .Attr<int32_t>("activation"));

@@ -13,3 +13,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemm);
 // result c [M, N] of that type. Attributes: transpose_a, transpose_b, activation
 // (0 none, 1 relu, 2 gelu tanh, 3 gelu erf, 4 silu).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemmFused);
+
+// C = act(A * B + bias) and D = act'(A * B + bias) in one kernel, for a backward pass
+// to multiply by act'. Operands: a, b (rank 2), bias ([N] or empty); results c and d
+// [M, N], all of one 16-bit type. Attributes: transpose_a, transpose_b, activation (as
+// above, not 0). N must be a multiple of 8 (D is written by TMA only).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemmFusedDerivative);

@@ -37,8 +37,12 @@ struct GemmConfig {
   // registers to global memory (the seed's).
   // Fused epilogue: bias, activation and residual (FusedOps), or, in the gradient kind,
   // only the backward form acc * act'(z) (so neither kind carries the other's paths).
+  // The derivative kind: the forward form (bias, activation) that also writes act'(z) as
+  // a second output D, for the backward pass to multiply by.
   static constexpr bool kActivationGrad = kKind == KernelKind::kPersistentFusedGrad;
-  static constexpr bool kFusedEpilogue = kKind == KernelKind::kPersistentFused || kActivationGrad;
+  static constexpr bool kSavesDerivative = kKind == KernelKind::kPersistentFusedDerivative;
+  static constexpr bool kFusedEpilogue =
+      kKind == KernelKind::kPersistentFused || kActivationGrad || kSavesDerivative;
   // The tail wave split along K over the clusters (tile_scheduler.cuh: WorkList).
   static constexpr bool kStreamK = kKind == KernelKind::kPersistentStreamK || kSmallM;
   // Pieces one tile's K range may be cut into (a finisher sums the others' partials).
@@ -135,6 +139,7 @@ struct GemmConfig {
   static_assert(!kPingpong || (!kFusedEpilogue && !kStreamK && !kF16Accumulate && kConsumerWarpgroups == 2),
                 "ping-pong: two f32 warpgroups, plain epilogue, whole tiles");
   static_assert(!kTmaStoreEpilogue || kStoreBuffers >= 1, "no room left for the epilogue's staging buffer");
+  static_assert(!kSavesDerivative || kStoreBuffers == 2, "the derivative kind stages C and D side by side");
   static_assert(!kProducerWarpgroup || kProducerThreads * kProducerRegisters +
                                                kConsumerWarpgroups * hopper::kWarpgroupSize * kConsumerRegisters <=
                                            kThreads * kLaunchRegisters,

@@ -225,6 +225,29 @@ struct FusedOps {
     }
   }
 
+  // The forward form that also saves the derivative (kind kPersistentFusedDerivative):
+  // act(v) and act'(v) of one pre-activation v, sharing what the two have in common
+  // (sigmoid, Phi). The backward pass then multiplies by act'(z) instead of recomputing
+  // it from z.
+  template <Activation kAct>
+  __device__ static float2 activate_with_derivative(float v) {
+    if constexpr (kAct == Activation::kRelu) {
+      return make_float2(fmaxf(v, 0.0f), v > 0.0f ? 1.0f : 0.0f);
+    } else if constexpr (kAct == Activation::kGeluTanh) {  // v s, s + v s (1 - s) y'(v)
+      const float s = times_sigmoid(1.0f, kTwoSqrt2OverPi * fmaf(kCubic * v, v * v, v));
+      const float dy = kTwoSqrt2OverPi * fmaf(3.0f * kCubic * v, v, 1.0f);
+      return make_float2(v * s, fmaf(v * s * (1.0f - s), dy, s));
+    } else if constexpr (kAct == Activation::kGeluErf) {  // v Phi(v), Phi(v) + v phi(v)
+      const float phi_cdf = 0.5f * (1.0f + erff(v * kInvSqrt2));
+      return make_float2(v * phi_cdf, fmaf(v * kInvSqrt2Pi, __expf(-0.5f * v * v), phi_cdf));
+    } else if constexpr (kAct == Activation::kSilu) {  // v s, s (1 + v (1 - s))
+      const float s = times_sigmoid(1.0f, v);
+      return make_float2(v * s, s * fmaf(v, 1.0f - s, 1.0f));
+    } else {
+      return make_float2(v, 1.0f);
+    }
+  }
+
   // Elements col, col + 1 of a row as floats; pairs as one 4-byte load where allowed
   // (col is always even), elements outside [0, n) as 0 and never read.
   __device__ static float2 load_pair(const Element* row, int col, int n, bool paired) {
@@ -389,16 +412,26 @@ struct FusedOps {
 
   // `bias_pair` is what prefetch returned for this tile; `bias_smem` this warpgroup's
   // slot array, `barrier` a named barrier of this warpgroup alone.
+  __device__ static void share_bias(const OutputParams& out, uint32_t bias_pair,
+                                    uint32_t (&bias_smem)[hopper::kWarpgroupSize], uint32_t barrier) {
+    if (out.bias == nullptr) return;
+    hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);  // the last tile's readers are done
+    bias_smem[hopper::thread_in_warpgroup()] = bias_pair;
+    hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
+  }
+
   __device__ static void apply(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
                                uint32_t bias_pair, uint32_t (&bias_smem)[hopper::kWarpgroupSize],
                                uint32_t barrier) {
-    const bool has_bias = out.bias != nullptr;
-    if (has_bias) {
-      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);  // the last tile's readers are done
-      bias_smem[hopper::thread_in_warpgroup()] = bias_pair;
-      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
-    }
-    apply_form<Cfg::kActivationGrad>(acc, out, row0, col0, bias_smem, has_bias);
+    share_bias(out, bias_pair, bias_smem, barrier);
+    apply_form<Cfg::kActivationGrad>(acc, out, row0, col0, bias_smem, out.bias != nullptr);
+  }
+
+  // Bias pair of the thread's accumulator column block j (its columns
+  // 8j + 2 (lane % 4) + {0, 1}); -0 without a bias (x + (-0) = x).
+  __device__ static float2 bias_of_block(const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias, int j) {
+    const int lane = hopper::thread_in_warpgroup() % hopper::kWarpSize;
+    return has_bias ? unpack(bias_smem[lane % 4 + j * Direct::kColsPerBlock / 2]) : make_float2(-0.0f, -0.0f);
   }
 };
 
@@ -490,6 +523,98 @@ struct TmaStoreEpilogue {
       store_as<float>(acc, buffers, tmap_c, warpgroup, batch, row0, col0);
     } else {
       store_as<typename Cfg::Element>(acc, buffers, tmap_c, warpgroup, batch, row0, col0);
+    }
+  }
+
+  // Kind kPersistentFusedDerivative: the activation and its derivative of the biased f32
+  // accumulator, C = act(acc + bias) and D = act'(acc + bias), each rounded once.
+  // Sub-tile s of both: the same stmatrix walk as stage_subtile, C into buf_c and D into
+  // buf_d, each element's pair computed once for both.
+  template <Activation kAct>
+  __device__ static void stage_with_derivative(const typename Direct::Acc& acc, uint8_t* buf_c, uint8_t* buf_d,
+                                               int s, const uint32_t (&bias_smem)[hopper::kWarpgroupSize],
+                                               bool has_bias) {
+    using Element = typename Cfg::Element;
+    using Ops = FusedOps<Cfg>;
+    static_assert(sizeof(Element) == 2 && std::is_same_v<typename Cfg::Accumulator, float>,
+                  "16-bit outputs of an f32 accumulator");
+    constexpr int kCols = Cfg::kStoreRowBytes / sizeof(Element);
+    constexpr int kBlocks = kCols / Direct::kColsPerBlock;
+    constexpr int kMatrixRows = 8;
+    constexpr int kMatrices = 4;  // of one stmatrix.x4: (block j, j + 1) x (rows r, r + 8)
+    const int t = hopper::thread_in_warpgroup();
+    const int warp = t / hopper::kWarpSize;
+    const int lane = t % hopper::kWarpSize;
+    const int matrix = lane / kMatrixRows;
+    const int row = warp * Direct::kRowsPerWarp + (matrix % 2) * Direct::kHalfRows + lane % kMatrixRows;
+#pragma unroll
+    for (int p = 0; p < kBlocks; p += 2) {
+      const int j = s * kBlocks + p;
+      uint32_t c[kMatrices], d[kMatrices];
+#pragma unroll
+      for (int q = 0; q < kMatrices; ++q) {  // accumulator pair 4j + 2q: block j + q / 2, half q % 2
+        const float2 b = Ops::bias_of_block(bias_smem, has_bias, j + q / 2);
+        const float2 v0 = Ops::template activate_with_derivative<kAct>(acc[4 * j + 2 * q] + b.x);
+        const float2 v1 = Ops::template activate_with_derivative<kAct>(acc[4 * j + 2 * q + 1] + b.y);
+        c[q] = pack_pair<Element>(v0.x, v1.x);
+        d[q] = pack_pair<Element>(v0.y, v1.y);
+      }
+      const uint32_t offset = swizzled(row, (p + matrix / 2) * Direct::kColsPerBlock * int(sizeof(Element)));
+      hopper::stmatrix_x4(hopper::smem_addr(buf_c) + offset, c[0], c[1], c[2], c[3]);
+      hopper::stmatrix_x4(hopper::smem_addr(buf_d) + offset, d[0], d[1], d[2], d[3]);
+    }
+  }
+
+  // Both buffers take one sub-tile (C's and D's), so each sub-tile first waits until the
+  // previous one's two stores have read them.
+  template <Activation kAct>
+  __device__ static void store_with_derivative_as(const typename Direct::Acc& acc, Buffers& buffers,
+                                                  const CUtensorMap* tmap_c, const CUtensorMap* tmap_d,
+                                                  const uint32_t (&bias_smem)[hopper::kWarpgroupSize],
+                                                  bool has_bias, int warpgroup, int row0, int col0) {
+    static_assert(Cfg::kStoreBuffers == 2, "one staging buffer for C, one for D");
+    constexpr int kCols = Cfg::kStoreRowBytes / sizeof(typename Cfg::Element);
+    constexpr int kSubtiles = Cfg::kBlockN / kCols;
+    constexpr int kBatch = 0;  // the fused kinds compute one product
+    const uint32_t barrier = Cfg::kFirstEpilogueBarrier + warpgroup;
+    const bool elected = hopper::thread_in_warpgroup() == 0;
+#pragma unroll
+    for (int s = 0; s < kSubtiles; ++s) {
+      if (elected) hopper::bulk_wait_group_read<0>();
+      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
+      stage_with_derivative<kAct>(acc, buffers[0], buffers[1], s, bias_smem, has_bias);
+      hopper::fence_proxy_async_shared();
+      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
+      if (elected) {
+        hopper::tma_store_3d(tmap_c, buffers[0], col0 + s * kCols, row0, kBatch);
+        hopper::tma_store_3d(tmap_d, buffers[1], col0 + s * kCols, row0, kBatch);
+        hopper::bulk_commit_group();
+      }
+    }
+  }
+
+  // The host guarantees TMA-storable C and D and an activation (gemm.cc).
+  __device__ static void store_with_derivative(const typename Direct::Acc& acc, Buffers& buffers,
+                                               const CUtensorMap* tmap_c, const CUtensorMap* tmap_d,
+                                               const OutputParams& out,
+                                               const uint32_t (&bias_smem)[hopper::kWarpgroupSize], int warpgroup,
+                                               int row0, int col0) {
+    const bool has_bias = out.bias != nullptr;
+    switch (out.activation) {
+      case Activation::kRelu:
+        return store_with_derivative_as<Activation::kRelu>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
+                                                           warpgroup, row0, col0);
+      case Activation::kGeluTanh:
+        return store_with_derivative_as<Activation::kGeluTanh>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
+                                                               warpgroup, row0, col0);
+      case Activation::kGeluErf:
+        return store_with_derivative_as<Activation::kGeluErf>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
+                                                              warpgroup, row0, col0);
+      case Activation::kSilu:
+        return store_with_derivative_as<Activation::kSilu>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
+                                                           warpgroup, row0, col0);
+      default:
+        return;  // refused by the host
     }
   }
 

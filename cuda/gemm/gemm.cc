@@ -104,6 +104,8 @@ const char* kind_name(KernelKind kind) {
       return "persistent_pingpong";
     case KernelKind::kPersistentFusedGrad:
       return "persistent_fused_grad";
+    case KernelKind::kPersistentFusedDerivative:
+      return "persistent_fused_derivative";
   }
   return "unknown";
 }
@@ -121,10 +123,22 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
   if (args.batch > 1 && args.batch_stride_c < args.m * args.ldc) return Status::Invalid("C batch entries overlap");
   const size_t c_bytes = args.c_f32 ? sizeof(float) : 2;
   const bool grad_kind = choice.kind == KernelKind::kPersistentFusedGrad;
-  const bool fused_kind = choice.kind == KernelKind::kPersistentFused || grad_kind;
+  const bool derivative_kind = choice.kind == KernelKind::kPersistentFusedDerivative;
+  const bool fused_kind = choice.kind == KernelKind::kPersistentFused || grad_kind || derivative_kind;
   if (args.fused() && !fused_kind) return Status::Invalid("bias, residual or activation need the fused kernel");
   if (args.activation_grad != grad_kind)
     return Status::Invalid("an activation gradient needs the gradient kernel, and only it computes one");
+  if ((args.derivative != nullptr) != derivative_kind)
+    return Status::Invalid("a derivative output needs the derivative kernel, and only it writes one");
+  if (derivative_kind) {
+    // D is written by TMA only (no register-store path in this kind).
+    constexpr uintptr_t kTmaStoreAlign = 16;
+    if (args.residual != nullptr || args.activation == Activation::kNone || args.ldc % kTmaRowMultiple != 0 ||
+        reinterpret_cast<uintptr_t>(args.c) % kTmaStoreAlign != 0 ||
+        reinterpret_cast<uintptr_t>(args.derivative) % kTmaStoreAlign != 0)
+      return Status::Invalid("a derivative output needs an activation, no residual, 16-byte aligned C and D, and a "
+                             "row length that is a multiple of 8");
+  }
   if (choice.kind == KernelKind::kPersistentF16Acc && args.dtype != ElementType::kF16)
     return Status::Invalid("f16 accumulation takes f16 operands (wgmma has no bf16 accumulator)");
   if (fused_kind) {

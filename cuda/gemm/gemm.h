@@ -55,13 +55,19 @@ struct GemmArgs {
   // times gelu'(z1): cuBLASLt's DGELU epilogue). With Activation::kNone the residual
   // holds act'(z) itself (saved by the forward pass): C = (A*B) * residual. Needs a
   // residual with an even row length, an even N, and no bias.
+  // With derivative (KernelKind::kPersistentFusedDerivative only): C = act(A*B + bias)
+  // and D = act'(A*B + bias), D in C's shape and layout, for a backward pass to multiply
+  // by instead of recomputing act' from the pre-activation. Needs an activation, no
+  // residual, and C and D that TMA can store (16-byte aligned, ldc a multiple of 8).
   const void* bias = nullptr;
   const void* residual = nullptr;
   int64_t ld_residual = 0;
   Activation activation = Activation::kNone;
   bool activation_grad = false;
+  void* derivative = nullptr;
   bool fused() const {
-    return bias != nullptr || residual != nullptr || activation != Activation::kNone || activation_grad;
+    return bias != nullptr || residual != nullptr || activation != Activation::kNone || activation_grad ||
+           derivative != nullptr;
   }
   // Device memory that lives until the kernel has run on `stream` (the FFI handler's
   // scratch allocator); null where nothing can be allocated. Used by the stream-K kind.
@@ -81,6 +87,8 @@ struct GemmArgs {
 //  kPersistentFused  kPersistent with the fused epilogue (bias, activation, residual)
 //  kPersistentFusedGrad kPersistent with the fused epilogue's backward form, C times
 //                      act'(z) (GemmArgs::activation_grad)
+//  kPersistentFusedDerivative kPersistent with the fused epilogue's forward form that also
+//                      writes act'(z) (GemmArgs::derivative)
 //  kPersistentStreamK kPersistent whose last, partial wave of tiles is split along K
 //                      over all clusters (stream-K for the tail; experimental)
 //  kPersistentF16Acc  opt-in, f16 only: the tutorial's final version -- 256x256 tiles,
@@ -104,7 +112,8 @@ enum class KernelKind {
   kPersistentF16Acc,
   kSmallM,
   kPersistentPingpong,
-  kPersistentFusedGrad
+  kPersistentFusedGrad,
+  kPersistentFusedDerivative
 };
 
 // Compile-time kernel parameters that are selectable at run time (each choice is an

@@ -32,7 +32,9 @@ template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                 const __grid_constant__ CUtensorMap tmap_c, const OutputParams out, const WorkList work,
-                const SchedulerOf<Cfg> scheduler, const StreamKParams stream_k) {
+                const SchedulerOf<Cfg> scheduler, const StreamKParams stream_k,
+                const __grid_constant__ CUtensorMap tmap_d) {  // the derivative kind's D (last: the
+                                                               // other parameters keep their offsets)
   using Main = Mainloop<Cfg>;
   extern __shared__ uint8_t smem_raw[];
   const uintptr_t base = reinterpret_cast<uintptr_t>(smem_raw);
@@ -132,6 +134,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             if (work.has_tail_work(r))
               Fixup::accumulate(acc, stream_k, work.cluster_of(r), cta_rank, warpgroup, out.m - row0);
         }
+      }
+      if constexpr (Cfg::kSavesDerivative) {  // act and act' computed as the sub-tiles are staged
+        FusedOps<Cfg>::share_bias(out, bias_pair, smem.fused.bias[warpgroup], Cfg::kFirstEpilogueBarrier + warpgroup);
+        Epilogue::store_with_derivative(acc, smem.epilogue.buffers[warpgroup], &tmap_c, &tmap_d, out,
+                                        smem.fused.bias[warpgroup], warpgroup, row0, col0);
+        continue;
       }
       if constexpr (Cfg::kFusedEpilogue)
         FusedOps<Cfg>::apply(acc, out, row0, col0, bias_pair, smem.fused.bias[warpgroup],

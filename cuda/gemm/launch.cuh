@@ -52,15 +52,16 @@ Status encode_operand(CUtensorMap* map, const void* ptr, int64_t mn, int64_t k, 
 // Output tensor map for the TMA-store epilogue: boxes one 128-byte swizzle row wide by
 // one wgmma row block (64 rows). False (and no map) when C's layout is not one TMA can address
 // (16-byte aligned base and row/batch strides); the kernel then stores from registers.
+// `c` is C, or the derivative kind's D (C's shape and layout).
 template <class Cfg>
-Status encode_output(CUtensorMap* map, const GemmArgs& args, bool* usable) {
+Status encode_output(CUtensorMap* map, const GemmArgs& args, void* c, bool* usable) {
   const uint32_t c_bytes = args.c_f32 ? sizeof(float) : sizeof(typename Cfg::Element);
   constexpr int64_t kAlign = 16;
-  *usable = Cfg::kTmaStoreEpilogue && reinterpret_cast<uintptr_t>(args.c) % kAlign == 0 &&
+  *usable = Cfg::kTmaStoreEpilogue && reinterpret_cast<uintptr_t>(c) % kAlign == 0 &&
             args.ldc * c_bytes % kAlign == 0 && (args.batch == 1 || args.batch_stride_c * c_bytes % kAlign == 0);
   if (!*usable) return Status::Ok();
   hopper::TensorMap3d d;
-  d.base = args.c;
+  d.base = c;
   d.inner = static_cast<uint64_t>(args.n);
   d.outer = static_cast<uint64_t>(args.m);
   d.batch = static_cast<uint64_t>(args.batch);
@@ -151,8 +152,15 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
                                              args.batch_stride_b);
   if (!st.ok()) return st;
   bool tma_store = false;
-  st = encode_output<Cfg>(&tmap_c, args, &tma_store);
+  st = encode_output<Cfg>(&tmap_c, args, args.c, &tma_store);
   if (!st.ok()) return st;
+  CUtensorMap tmap_d = {};
+  if constexpr (Cfg::kSavesDerivative) {  // D has only the TMA store (gemm.cc checked both can use it)
+    bool d_tma_store = false;
+    st = encode_output<Cfg>(&tmap_d, args, args.derivative, &d_tma_store);
+    if (st.ok() && !(tma_store && d_tma_store)) st = Status::Invalid("the derivative kind needs TMA-storable C and D");
+    if (!st.ok()) return st;
+  }
 
   constexpr size_t kSmem = smem_bytes<Cfg>();
   static_assert(kSmem <= kMaxSmemPerBlock, "pipeline stages and epilogue buffers do not fit in shared memory");
@@ -200,7 +208,8 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   config.stream = stream;
   config.attrs = attr;
   config.numAttrs = Cfg::kClusterM > 1 ? 1 : 0;
-  return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, tmap_c, out, work, scheduler, stream_k),
+  return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, tmap_c, out, work, scheduler, stream_k,
+                                        tmap_d),
                      "gemm kernel launch");
 }
 
