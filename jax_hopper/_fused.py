@@ -178,7 +178,9 @@ dense_derivative_p.multiple_results = True
 def _derivative_abstract_eval(x, w, bias, *, activation, has_bias):
     if activation is None or activation not in ACTIVATIONS:
         raise ValueError(f"jax_hopper_dense_with_derivative: needs an activation, got {activation!r}")
-    aval = _abstract_eval(x, w, bias, _absent(x.dtype), activation=activation, has_bias=has_bias, has_residual=False)
+    # No residual: a placeholder type (not an array: abstract evaluation runs outside any trace).
+    no_residual = jax.ShapeDtypeStruct((0,), x.dtype)
+    aval = _abstract_eval(x, w, bias, no_residual, activation=activation, has_bias=has_bias, has_residual=False)
     return aval, aval
 
 
