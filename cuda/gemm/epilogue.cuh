@@ -33,6 +33,7 @@ struct OutputParams {
   int64_t ld_residual;
   bool paired_inputs;  // bias, residual, ld_residual and n allow two-element loads
   Activation activation;
+  bool debug_skip_derivative_store;  // DIAGNOSTIC (env JAX_HOPPER_DEBUG_SKIP_D_STORE): D staged, not stored
 };
 
 // Two adjacent columns as one store.
@@ -579,7 +580,7 @@ struct TmaStoreEpilogue {
   __device__ static void store_with_derivative_as(const typename Direct::Acc& acc, Buffers& buffers,
                                                   const CUtensorMap* tmap_c, const CUtensorMap* tmap_d,
                                                   const uint32_t (&bias_smem)[hopper::kWarpgroupSize],
-                                                  bool has_bias, int warpgroup, int row0, int col0) {
+                                                  bool has_bias, int warpgroup, int row0, int col0, bool skip_d) {
     static_assert(Cfg::kStoreBuffers == 2, "one staging buffer for C, one for D");
     constexpr int kCols = Cfg::kStoreRowBytes / sizeof(typename Cfg::Element);
     constexpr int kSubtiles = Cfg::kBlockN / kCols;
@@ -589,7 +590,7 @@ struct TmaStoreEpilogue {
     const auto issue = [&](const CUtensorMap* map, uint8_t* buf, int s) {
       hopper::fence_proxy_async_shared();
       hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
-      if (elected) {
+      if (elected && !(skip_d && map == tmap_d)) {
         hopper::tma_store_3d(map, buf, col0 + s * kCols, row0, kBatch);
         hopper::bulk_commit_group();
       }
@@ -620,16 +621,16 @@ struct TmaStoreEpilogue {
     switch (out.activation) {
       case Activation::kRelu:
         return store_with_derivative_as<Activation::kRelu>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
-                                                           warpgroup, row0, col0);
+                                                           warpgroup, row0, col0, out.debug_skip_derivative_store);
       case Activation::kGeluTanh:
         return store_with_derivative_as<Activation::kGeluTanh>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
-                                                               warpgroup, row0, col0);
+                                                               warpgroup, row0, col0, out.debug_skip_derivative_store);
       case Activation::kGeluErf:
         return store_with_derivative_as<Activation::kGeluErf>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
-                                                              warpgroup, row0, col0);
+                                                              warpgroup, row0, col0, out.debug_skip_derivative_store);
       case Activation::kSilu:
         return store_with_derivative_as<Activation::kSilu>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
-                                                           warpgroup, row0, col0);
+                                                           warpgroup, row0, col0, out.debug_skip_derivative_store);
       default:
         return;  // refused by the host
     }
