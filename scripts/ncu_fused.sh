@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# EXPERIMENT: stall profile of the fused kernel vs the derivative kind (profile_fused.py);
+# writes $1/warp_state.txt and $1/source_<kernel>.csv (per-SASS-line samples).
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUTDIR=${1:?output directory}
+cd /tmp || exit 1
+timeout 200 ncu --profile-from-start off --clock-control none --section WarpStateStats --section SourceCounters \
+  --import-source no -o /tmp/fused -f python3 "$REPO/scripts/profile_fused.py" "${2:-gelu_exact}" >"$OUTDIR/ncu_run.log" 2>&1
+echo "ncu rc $?"
+ncu -i /tmp/fused.ncu-rep --page details >"$OUTDIR/warp_state.txt" 2>&1
+ncu -i /tmp/fused.ncu-rep --page source --csv --print-source sass >"$OUTDIR/source.csv" 2>&1
+gzip -f "$OUTDIR/source.csv"
+grep -E "gemm_kernel|Stall|Warp Cycles|Issued|Duration" "$OUTDIR/warp_state.txt" | cut -c1-160 | head -60
