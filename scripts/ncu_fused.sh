@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# EXPERIMENT: stall profile of the fused kernel vs the derivative kind (profile_fused.py);
-# writes $1/warp_state.txt and $1/source_<kernel>.csv (per-SASS-line samples).
+# Stall profile of the fused kernel vs the derivative kind (profile_fused.py): writes
+# $1/warp_state.txt (warp state statistics per kernel) and $1/source.csv.gz (per-SASS-line
+# stall samples by reason, both kernels). Usage: ncu_fused.sh OUTDIR [activation].
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUTDIR=${1:?output directory}

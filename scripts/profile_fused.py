@@ -1,5 +1,5 @@
-"""EXPERIMENT (branch exp-derivative-output): one steady-state launch each of the fused
-kernel (act only) and the derivative kind (act and act') for Nsight Compute, e.g.
+"""One steady-state launch each of the fused kernel (act only) and the derivative kind
+(act and act') for Nsight Compute (scripts/ncu_fused.sh runs it), e.g.
 
     ncu --profile-from-start off --section WarpStateStats --section SourceCounters \
         -o /tmp/fused python3 scripts/profile_fused.py gelu_exact

@@ -109,6 +109,20 @@ def test_gradients_with_the_saved_derivative(activation, policy, f):
         assert "jax_hopper_gemm_fused_derivative" not in text
 
 
+def test_auto_saves_the_exact_gelu_derivative_where_the_derivative_kind_runs():
+    """Default: exact GELU saves act'(z1) where the fused-activation rule runs the
+    derivative kind (every dimension >= 4096); tanh-GELU, and smaller layers, keep z1."""
+    shapes = ((4096, 4096), (4096, 4096), (4096,), (4096, 4096), (4096,))
+    structs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    text = gradient_program("gelu_exact", structs, "auto")
+    assert len(re.findall(r"@jax_hopper_gemm_fused_derivative\(", text)) == 1
+    assert "jax_hopper_gemm_fused_derivative" not in gradient_program("gelu_tanh", structs, "auto")
+    small = gradient_program("gelu_exact", block_operands((256,), 128, 512, jnp.bfloat16), "auto")
+    assert "jax_hopper_gemm_fused_derivative" not in small
+    assert _dispatch.saves_derivative("gelu_exact", True) and not _dispatch.saves_derivative("gelu_exact", False)
+    assert not _dispatch.saves_derivative("gelu_tanh", True)
+
+
 def test_saved_derivative_dispatch():
     problem = _dispatch.problem_of((8192, 4096), (4096, 16384), jnp.float16, jnp.float16, False, False)
     assert _dispatch.choose_dense_with_derivative(problem, "gelu_exact", "auto") == ("kernel", "fused-activation")

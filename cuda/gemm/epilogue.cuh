@@ -33,7 +33,6 @@ struct OutputParams {
   int64_t ld_residual;
   bool paired_inputs;  // bias, residual, ld_residual and n allow two-element loads
   Activation activation;
-  bool debug_skip_derivative_store;  // DIAGNOSTIC (env JAX_HOPPER_DEBUG_SKIP_D_STORE): D staged, not stored
 };
 
 // Two adjacent columns as one store.
@@ -445,8 +444,13 @@ struct FusedOps {
   __device__ static void apply(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
                                uint32_t bias_pair, uint32_t (&bias_smem)[hopper::kWarpgroupSize],
                                uint32_t barrier) {
-    share_bias(out, bias_pair, bias_smem, barrier);
-    apply_form<Cfg::kActivationGrad>(acc, out, row0, col0, bias_smem, out.bias != nullptr);
+    const bool has_bias = out.bias != nullptr;
+    if (has_bias) {
+      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);  // the last tile's readers are done
+      bias_smem[hopper::thread_in_warpgroup()] = bias_pair;
+      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
+    }
+    apply_form<Cfg::kActivationGrad>(acc, out, row0, col0, bias_smem, has_bias);
   }
 
   // Bias pair of the thread's accumulator column block j (its columns
@@ -611,7 +615,7 @@ struct TmaStoreEpilogue {
   __device__ static void store_with_derivative_as(const typename Direct::Acc& acc, Buffers& buffers,
                                                   const CUtensorMap* tmap_c, const CUtensorMap* tmap_d,
                                                   const uint32_t (&bias_smem)[hopper::kWarpgroupSize],
-                                                  bool has_bias, int warpgroup, int row0, int col0, bool skip_d) {
+                                                  bool has_bias, int warpgroup, int row0, int col0) {
     static_assert(Cfg::kStoreBuffers == 2, "one staging buffer for C, one for D");
     constexpr int kCols = Cfg::kStoreRowBytes / sizeof(typename Cfg::Element);
     constexpr int kSubtiles = Cfg::kBlockN / kCols;
@@ -621,7 +625,7 @@ struct TmaStoreEpilogue {
     const auto issue = [&](const CUtensorMap* map, uint8_t* buf, int s) {
       hopper::fence_proxy_async_shared();
       hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
-      if (elected && !(skip_d && map == tmap_d)) {
+      if (elected) {
         hopper::tma_store_3d(map, buf, col0 + s * kCols, row0, kBatch);
         hopper::bulk_commit_group();
       }
@@ -652,16 +656,16 @@ struct TmaStoreEpilogue {
     switch (out.activation) {
       case Activation::kRelu:
         return store_with_derivative_as<Activation::kRelu>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
-                                                           warpgroup, row0, col0, out.debug_skip_derivative_store);
+                                                           warpgroup, row0, col0);
       case Activation::kGeluTanh:
         return store_with_derivative_as<Activation::kGeluTanh>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
-                                                               warpgroup, row0, col0, out.debug_skip_derivative_store);
+                                                               warpgroup, row0, col0);
       case Activation::kGeluErf:
         return store_with_derivative_as<Activation::kGeluErf>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
-                                                              warpgroup, row0, col0, out.debug_skip_derivative_store);
+                                                              warpgroup, row0, col0);
       case Activation::kSilu:
         return store_with_derivative_as<Activation::kSilu>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
-                                                           warpgroup, row0, col0, out.debug_skip_derivative_store);
+                                                           warpgroup, row0, col0);
       default:
         return;  // refused by the host
     }
