@@ -24,8 +24,8 @@ def test_bench_writes_rows_for_every_case_and_variant(tmp_path):
     assert {r["layout"] for r in rows if r["layout"].startswith("mlp")} == {
         f"mlp {step} [gelu_tanh]" for step in ("forward", "train", "train mlp op", "train mlp op saved act'",
                                                "dz1 times saved act'", "dz1 backward form",
-                                               "dense1 act and act'", "dense1 bias+act", "dense2 bias+resid", "x@W1 no epilogue",
-                                               "h@W2 no epilogue")}
+                                               "dense1 act and act'", "dense1 bias+act", "dense2 bias+resid",
+                                               "x@W1 no epilogue", "h@W2 no epilogue")}
     assert {r["variant"] for r in rows} >= {"jax_hopper", "jnp.dot", "V5 s=4"}
     assert all(r["kernel_ms"] > 0 and r["sustained_ms"] > 0 for r in rows)
     assert all(r["rel_error"] < 1e-2 for r in rows if r["rel_error"] is not None)
