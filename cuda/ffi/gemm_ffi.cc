@@ -159,21 +159,22 @@ constexpr int32_t kNumActivations = sizeof(kActivations) / sizeof(kActivations[0
 // residual is the pre-activation z; gemm.h: GemmArgs::activation_grad).
 // The fused handlers' shared part: decode, a rank-2 b, c of the operands' type, the
 // optional bias [N] and the activation.
-ffi::Error decode_fused(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer>& c,
-                        int32_t transpose_a, int32_t transpose_b, int32_t activation, GemmArgs& args) {
+ffi::Error decode_fused(const std::string& target, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
+                        ffi::Result<ffi::AnyBuffer>& c, int32_t transpose_a, int32_t transpose_b, int32_t activation,
+                        GemmArgs& args) {
   if (ffi::Error err = decode(a, b, c, transpose_a, transpose_b, args); err.failure()) return err;
   const auto type = a.element_type();
   if (b.dimensions().size() != 2 || c->element_type() != type)
-    return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: b must be rank 2 and c of the operands' type");
+    return ffi::Error::InvalidArgument(target + ": b must be rank 2 and c of the operands' type");
   const auto db = bias.dimensions();
   if (bias.element_count() != 0) {
     if (bias.element_type() != type || db.size() != 1 || db[0] != args.n)
-      return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: bias must be [N] of the operands' type, got " +
+      return ffi::Error::InvalidArgument(target + ": bias must be [N] of the operands' type, got " +
                                          shape_str(db));
     args.bias = bias.untyped_data();
   }
   if (activation < 0 || activation >= kNumActivations)
-    return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: unknown activation " + std::to_string(activation));
+    return ffi::Error::InvalidArgument(target + ": unknown activation " + std::to_string(activation));
   args.activation = kActivations[activation];
   return ffi::Error::Success();
 }
@@ -182,7 +183,8 @@ ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
                          ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> c, int32_t transpose_a,
                          int32_t transpose_b, int32_t activation, int32_t activation_grad) {
   GemmArgs args;
-  if (ffi::Error err = decode_fused(a, b, bias, c, transpose_a, transpose_b, activation, args); err.failure())
+  if (ffi::Error err = decode_fused("jax_hopper_gemm_fused", a, b, bias, c, transpose_a, transpose_b, activation, args);
+      err.failure())
     return err;
   const auto type = a.element_type();
   const auto dr = residual.dimensions(), dc = c->dimensions();
@@ -207,7 +209,9 @@ ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::A
                                    ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> d,
                                    int32_t transpose_a, int32_t transpose_b, int32_t activation) {
   GemmArgs args;
-  if (ffi::Error err = decode_fused(a, b, bias, c, transpose_a, transpose_b, activation, args); err.failure())
+  if (ffi::Error err = decode_fused("jax_hopper_gemm_fused_derivative", a, b, bias, c, transpose_a, transpose_b,
+                                    activation, args);
+      err.failure())
     return err;
   const auto dc = c->dimensions(), dd = d->dimensions();
   if (d->element_type() != c->element_type() || !std::equal(dd.begin(), dd.end(), dc.begin(), dc.end()))

@@ -147,18 +147,6 @@ struct DirectStoreEpilogue {
   }
 };
 
-// The fused epilogue's arithmetic, on the f32 accumulator before any rounding:
-// acc = act(acc + bias[col]) + residual[row][col] (cuBLASLt's bias/activation epilogues
-// plus a residual add), or in the backward form acc = acc * act'(z[row][col]) with the
-// forward's pre-activation z read where the residual would be (cuBLASLt's DGELU).
-// One loop per activation and form, so the choice is not re-made per element.
-// The activations run on both consumer warpgroups at once while the tensor cores idle,
-// so they use the SFU's ex2/rcp approximations where the answer stays far below 16-bit
-// rounding: 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)) exactly, and ex2.approx / rcp.approx
-// keep 1 / (1 + exp(-y)) within |y| 2^-24 + a few ulp relative (2^-17 at |y| = 88, past
-// which exp overflows and the result is 0: truly below 1e-37) -- against 2^-11 (f16) and
-// 2^-8 (bf16) for the rounding that follows. Unlike 1 + tanhf(u), nothing cancels as the
-// result nears 0.
 // Exact GELU and its derivative, v Phi(v) and Phi(v) + v phi(v).
 __device__ __forceinline__ float2 gelu_erf_with_derivative(float v) {
   constexpr float kInvSqrt2 = 0.7071067811865476f;
@@ -181,6 +169,18 @@ __device__ __noinline__ uint4 gelu_erf_with_derivative_x4(float v0, float v1, fl
                     pack_pair<Element>(r2.y, r3.y));
 }
 
+// The fused epilogue's arithmetic, on the f32 accumulator before any rounding:
+// acc = act(acc + bias[col]) + residual[row][col] (cuBLASLt's bias/activation epilogues
+// plus a residual add), or in the backward form acc = acc * act'(z[row][col]) with the
+// forward's pre-activation z read where the residual would be (cuBLASLt's DGELU).
+// One loop per activation and form, so the choice is not re-made per element.
+// The activations run on both consumer warpgroups at once while the tensor cores idle,
+// so they use the SFU's ex2/rcp approximations where the answer stays far below 16-bit
+// rounding: 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)) exactly, and ex2.approx / rcp.approx
+// keep 1 / (1 + exp(-y)) within |y| 2^-24 + a few ulp relative (2^-17 at |y| = 88, past
+// which exp overflows and the result is 0: truly below 1e-37) -- against 2^-11 (f16) and
+// 2^-8 (bf16) for the rounding that follows. Unlike 1 + tanhf(u), nothing cancels as the
+// result nears 0.
 template <class Cfg>
 struct FusedOps {
   using Element = typename Cfg::Element;
