@@ -25,7 +25,7 @@ if ! (cd "$REPO" && python3 -m pip install --no-build-isolation --no-deps -v .) 
   exit 1
 fi
 echo "build: $(($(date +%s) - start)) s"
-grep -E "ptxas info *: Used|spill|C7517" "$LOG/build.log" | sort | uniq -c
+grep -E "ptxas info *: Used|spill|C7517|C7520" "$LOG/build.log" | sort | uniq -c
 
 cd /tmp || exit 1  # import the installed package, not the source tree
 if ! timeout 120 python3 "$REPO/scripts/smoke_gpu.py" 2>&1 | tee "$LOG/smoke.log"; then
