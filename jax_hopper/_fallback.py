@@ -90,6 +90,15 @@ def dense_with_derivative_reference(x, w, bias, *, activation):
     return ACTIVATION_FNS[activation](z).astype(x.dtype), activation_derivative(z, activation).astype(x.dtype)
 
 
+def dense_with_derivative_like_jnp(x, w, bias, *, activation):
+    """(act(z), act'(z)) as jnp computes them: z = x @ w + bias on 16-bit values (XLA's dot,
+    f32 sums, rounded; the bias add fused into cuBLASLt's epilogue), then both functions
+    of that z in one elementwise pass. What a program spanning several devices runs (XLA
+    partitions it): an f32 product there would double the layer's output traffic."""
+    z = dense_like_jnp(x, w, bias, None, activation=None)
+    return ACTIVATION_FNS[activation](z), activation_derivative(z, activation)
+
+
 def dense_epilogue(z, bias, residual, *, activation, dtype):
     """act(z + bias) + residual in f32 for an f32 product z, rounded once to dtype."""
     if bias is not None:

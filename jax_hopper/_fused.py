@@ -22,6 +22,7 @@ from jax_hopper._fallback import (
     ACTIVATION_FNS,
     activation_grad_reference,
     dense_reference,
+    dense_with_derivative_like_jnp,
     dense_with_derivative_reference,
 )
 from jax_hopper._primitive import (
@@ -167,8 +168,9 @@ def fused_activation_grad(g, w, z, *, activation):
 # (for exact GELU an erf per element, which XLA's backward pass spends 0.42 ms on at
 # 8192x16384). Both outputs are functions of the f32 z, each rounded once; there is no
 # residual. x [..., M, K], w [K, N], bias [N] (or absent), one 16-bit type. D is written
-# by TMA only, so N must be a multiple of 8: the lowering computes other widths, and
-# programs spanning several devices, through XLA (no partitioning rules of its own).
+# by TMA only, so N must be a multiple of 8: the lowering computes other widths through
+# XLA with the kernel's arithmetic, and programs spanning several devices as jnp would
+# (z rounded to 16 bits; XLA partitions it: the primitive has no partitioning rules).
 # Its derivatives (second order) are those of the reference arithmetic.
 DERIVATIVE_ROW_MULTIPLE = 8
 dense_derivative_p = Primitive("jax_hopper_dense_with_derivative")
@@ -188,6 +190,10 @@ def _derivative_default_impl(x, w, bias, *, activation, has_bias):
     return dense_with_derivative_reference(x, w, _optional(bias, has_bias), activation=activation)
 
 
+def _derivative_like_jnp(x, w, bias, *, activation, has_bias):
+    return dense_with_derivative_like_jnp(x, w, _optional(bias, has_bias), activation=activation)
+
+
 def _derivative_cuda_impl(x, w, bias, *, activation, has_bias):
     reason = _ffi.kernel_unavailable_reason()
     if reason is not None:
@@ -204,9 +210,10 @@ def _derivative_cuda_impl(x, w, bias, *, activation, has_bias):
 
 dense_derivative_p.def_impl(eager_impl(dense_derivative_p))
 dense_derivative_p.def_abstract_eval(_derivative_abstract_eval)
-mlir.register_lowering(dense_derivative_p, local_only_lowering(_derivative_default_impl, _derivative_default_impl,
+# Spanning several devices: jnp's computation, which XLA partitions.
+mlir.register_lowering(dense_derivative_p, local_only_lowering(_derivative_default_impl, _derivative_like_jnp,
                                                                 multiple_results=True))
-mlir.register_lowering(dense_derivative_p, local_only_lowering(_derivative_cuda_impl, _derivative_default_impl,
+mlir.register_lowering(dense_derivative_p, local_only_lowering(_derivative_cuda_impl, _derivative_like_jnp,
                                                                 multiple_results=True), platform="cuda")
 
 

@@ -524,20 +524,24 @@ MLP_PATTERNS = {  # name: (x spec, w1 spec, w2 spec) for x [B, M, K], w1 [K, N],
 }
 
 
+@pytest.mark.parametrize("saved", [False, True], ids=["z1", "saved_act'"])
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
 @pytest.mark.parametrize("pattern", MLP_PATTERNS)
-def test_mlp_gradients_under_sharding(pattern, policy):
+def test_mlp_gradients_under_sharding(pattern, policy, saved):
     """jax_hopper.mlp's custom VJP under Auto mesh axes: each product partitions like a
-    plain one; the backward form, with no partitioning rules, lowers to XLA's (so policy
-    "kernel" runs it only where the program stays on one device)."""
+    plain one; the backward form and the derivative form, with no partitioning rules,
+    lower to XLA's (so policy "kernel" runs them only where the program stays on one
+    device); `saved`: the forward saves act'(z1)."""
     from test_mlp import ARGNUMS, block_operands, loss, ours, plain_block
+
+    from jax_hopper import _dispatch
 
     mm = mesh()
     x_s, w1_s, w2_s = MLP_PATTERNS[pattern]
     operands = block_operands((B, M), K, N, jnp.float16, seed=60)
     specs = (x_s, w1_s, P(w1_s[1]) if len(w1_s) > 1 else P(), w2_s, P())
     placed = [jax.device_put(v, NamedSharding(mm, s)) for v, s in zip(operands, specs)]
-    with jax_hopper.dispatch(policy):
+    with jax_hopper.dispatch(policy), _dispatch.saved_derivative({"gelu_tanh"} if saved else ()):
         mine = jax.jit(jax.grad(loss(ours("gelu_tanh")), argnums=ARGNUMS))(*placed)
     exact = jax.grad(loss(plain_block("gelu_tanh")), argnums=ARGNUMS)(*[v.astype(jnp.float32) for v in operands])
     # jnp's block under the same sharding: partial sums over sharded contractions are
