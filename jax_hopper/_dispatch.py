@@ -266,6 +266,13 @@ SAVED_DERIVATIVE_ACTIVATIONS: frozenset = frozenset({"gelu_exact"})
 _saved_derivative_override: list = []
 
 
+def may_save_derivative(activation: str | None) -> bool:
+    """Whether saves_derivative can be true for this activation (so whether asking the
+    dispatcher about the derivative kind is worth it)."""
+    chosen = _saved_derivative_override[-1] if _saved_derivative_override else SAVED_DERIVATIVE_ACTIVATIONS
+    return activation is not None and activation in chosen
+
+
 def saves_derivative(activation: str | None, derivative_kind_runs: bool) -> bool:
     """Whether ops.mlp's forward saves act'(z1) for this activation (traced-time choice);
     `derivative_kind_runs`: whether choose_dense_with_derivative picked the kernel."""

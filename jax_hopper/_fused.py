@@ -180,7 +180,8 @@ dense_derivative_p.multiple_results = True
 def _derivative_abstract_eval(x, w, bias, *, activation, has_bias):
     if activation is None or activation not in ACTIVATIONS:
         raise ValueError(f"jax_hopper_dense_with_derivative: needs an activation, got {activation!r}")
-    # No residual: a placeholder type (not an array: abstract evaluation runs outside any trace).
+    # The absent residual as a type: abstract evaluation runs outside any trace, where
+    # jax 0.11 cannot make an array.
     no_residual = jax.ShapeDtypeStruct((0,), x.dtype)
     aval = _abstract_eval(x, w, bias, no_residual, activation=activation, has_bias=has_bias, has_residual=False)
     return aval, aval

@@ -110,7 +110,8 @@ def _activation_and_derivative(x, w1, b1, activation, kernel):
 def _forward(x, w1, b1, w2, b2, residual, activation):
     # The saved-derivative form keeps act'(z1) instead of z1: the backward pass then
     # multiplies instead of recomputing act' (_dispatch.saves_derivative).
-    kernel = _derivative_kind_runs(x, w1, b1, activation)
+    # (Only asked where the form can apply: the question may warn that the kernel is missing.)
+    kernel = _dispatch.may_save_derivative(activation) and _derivative_kind_runs(x, w1, b1, activation)
     derivative = _dispatch.saves_derivative(activation, kernel)
     if derivative:
         h, kept = _activation_and_derivative(x, w1, b1, activation, kernel)
