@@ -13,6 +13,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import relative_error, run_into_poison, run_into_poisons, seed_normal
 from test_dense import ACTIVATIONS, ERROR_FACTOR, F32_ACT
@@ -163,3 +164,49 @@ def test_block_gradient_program_runs_the_backward_form(hopper):
         hlo = jax.jit(jax.grad(loss(ours("gelu_tanh")), argnums=ARGNUMS)).lower(*operands).compile().as_text()
     assert len(re.findall(r'custom_call_target="jax_hopper_gemm_fused"', hlo)) == 3, "two forward, one backward"
     assert "__cublas" not in hlo
+
+
+def test_exact_gelu_lower_tail_elementwise(hopper):
+    """Exact GELU deep in its lower tail, element by element, in all three epilogue forms.
+
+    bf16 keeps f32's exponent range, so GELU(z) ~ -1e-20 at z = -9.5 is a normal bf16
+    value that must come out right, not 0. Each output is rounded once from an f32 value
+    within 1e-5 relative of the truth (epilogue.cuh's normal_cdf), so it sits within half
+    a bf16 ulp (2^-9) of the f32 reference plus that slack: 2^-8 is the bound. z (and the
+    product it comes from) may differ from the reference's by f32 summation order, about
+    1e-6 here, which moves Phi(z) by |z| times that, relatively: well inside the bound.
+    (The former 0.5 (1 + erff(z / sqrt2)) lost all digits below z = -5.5.)
+    """
+    dtype, m, n, k = jnp.bfloat16, 256, 264, 64
+    kx, kw, kg = jax.random.split(jax.random.key(23), 3)
+    x = seed_normal(kx, (m, k), dtype, k)
+    w = seed_normal(kw, (k, n), dtype, k)
+    b = jnp.linspace(-10.0, -2.0, n).astype(dtype)  # z = x w + b spans the tail, |x w| ~ 1
+    z = jnp.einsum("mk,kn->mn", x.astype(jnp.float32), w.astype(jnp.float32), precision="highest") + \
+        b.astype(jnp.float32)
+    act, act_grad = F32_ACT["gelu_exact"], jax.vmap(jax.grad(F32_ACT["gelu_exact"]))
+    d_ref = act_grad(z.ravel()).reshape(z.shape)
+
+    def dense(x, w, b):
+        with jax_hopper.dispatch("kernel"):
+            return jax_hopper.dense(x, w, b, activation="gelu_exact")
+
+    forward, _ = run_into_poison(dense, (m, n), dtype, x, w, b)
+    (h, d), _ = run_into_poisons(lambda x, w, b: fused_dense_with_derivative(x, w, b, activation="gelu_exact"),
+                                 [(m, n), (m, n)], dtype, x, w, b)
+    # The backward form with this z (rounded to bf16, as the forward would save it).
+    g = seed_normal(kg, (m, k), dtype, k)
+    zb = z.astype(dtype)
+    dz, _ = run_into_poison(lambda g, w, z: fused_activation_grad(g, w, z, activation="gelu_exact"), (m, n), dtype,
+                            g, w.T, zb)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    zb_grad = act_grad(f32(zb).ravel()).reshape(z.shape)
+    dz_ref = jnp.einsum("mk,nk->mn", f32(g), f32(w.T), precision="highest") * zb_grad
+    # dh = g w^T itself may cancel to near 0, where f32 summation order shows: K u sum|g||w|.
+    dz_slack = k * 2.0**-24 * jnp.einsum("mk,nk->mn", jnp.abs(f32(g)), jnp.abs(f32(w.T))) * jnp.abs(zb_grad)
+    for name, out, ref, slack in (("dense", forward, act(z), 0.0), ("derivative form act", h, act(z), 0.0),
+                                  ("derivative form act'", d, d_ref, 0.0), ("backward form", dz, dz_ref, dz_slack)):
+        o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+        assert (np.abs(r) > 1e-30).mean() > 0.9, "the test must reach the tail's small values"
+        bad = np.abs(o - r) > 2.0**-8 * np.abs(r) + np.asarray(slack, np.float64)
+        assert not bad.any(), f"{name}: {bad.sum()} elements off, e.g. {o[bad][:3]} vs {r[bad][:3]}"
