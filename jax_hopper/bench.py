@@ -41,6 +41,7 @@ MAX_INPUT_SETS = 64
 KERNEL_SAMPLES = 15  # kernel-time samples per variant
 SUSTAINED_SECONDS = 0.4  # target length of one sustained loop
 SUSTAINED_ROUNDS = 3
+BREAKDOWN = False  # --breakdown: also each variant's kernels, one by one (mlp and dense steps)
 DTYPES = {"f16": jnp.float16, "bf16": jnp.bfloat16}
 # The shapes users run (issue 4's sweep): squares, LLM training shapes, decode shapes
 # (small M against 8192x8192 weights), odd sizes (8191: rows TMA cannot describe).
@@ -461,6 +462,36 @@ def _auto(f):
     return _policy("auto", f)
 
 
+def kernel_breakdown(fn, args, samples):
+    """The kernels one call of jitted `fn` launches, in launch order, as [(name, ms)]: each
+    kernel's CUPTI time, median over `samples` calls (the per-op breakdown of a step)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    measure = profiler.measure(fn, aggregate=False)
+    measure(*args)  # warm-up
+    runs = [measure(*args)[1] or [] for _ in range(samples)]
+    names = [name for name, _ in runs[0]]
+    runs = [r for r in runs if [name for name, _ in r] == names]  # one launch sequence
+    return [(short_kernel_name(name), statistics.median(r[i][1] for r in runs)) for i, name in enumerate(names)]
+
+
+def short_kernel_name(name: str) -> str:
+    """Our kernels by kind number (mangled C++ otherwise), everything else as named."""
+    import re
+
+    kind = re.search(r"jax_hopper.*KernelKindE(\d+)", name)
+    return f"jax_hopper gemm_kernel kind {kind.group(1)}" if kind else name[:72]
+
+
+def print_breakdown(step, breakdown, file=sys.stdout):
+    print(f"kernels of {step} (CUPTI, median per kernel):", file=file)
+    for variant, kernels in breakdown.items():
+        total = sum(ms for _, ms in kernels)
+        print(f"  {variant} ({len(kernels)} kernels, {total:.4f} ms)", file=file)
+        for name, ms in kernels:
+            print(f"    {ms:8.4f}  {name}", file=file)
+
+
 def _time_variants(fns, first, params, flops, meta, progress, auto_path=None):
     """Rows for variants {name: f(first, params)} of one step, "jnp" the baseline: the
     relative error of each output against jnp's, kernel time (samples interleaved) and
@@ -483,8 +514,13 @@ def _time_variants(fns, first, params, flops, meta, progress, auto_path=None):
     kernel_med = {n: statistics.median(ts) for n, ts in kernel.items()}
     sustained = {v.name: statistics.median(sustained_ms(v, [(first, params)], kernel_med[v.name])
                                            for _ in range(SUSTAINED_ROUNDS)) for v in variants}
+    breakdown = {}
+    if BREAKDOWN and all(v.clock == "cupti" for v in variants):
+        breakdown = {v.name: kernel_breakdown(v.fn, (first, params), KERNEL_SAMPLES) for v in variants}
+        print_breakdown(f"{meta['layout']} {meta['dtype']}", breakdown)
     return [{
         **meta, "variant": v.name, "clock": v.clock, "kernel_ms": kernel_med[v.name],
+        **({"kernels": breakdown[v.name]} if breakdown else {}),
         "kernel_tflops": flops / kernel_med[v.name] / 1e9,
         "kernel_ratio_vs_jnp": kernel_med["jnp"] / kernel_med[v.name],
         "kernel_spread_ms": [min(kernel[v.name]), max(kernel[v.name])],
@@ -542,7 +578,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    global KERNEL_SAMPLES, SUSTAINED_ROUNDS  # the protocol's sample counts, set from the command line
+    global KERNEL_SAMPLES, SUSTAINED_ROUNDS, BREAKDOWN  # the protocol, set from the command line
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="8192,4096", help="comma-separated N (cube) or MxNxK")
     p.add_argument("--dtype", default="f16", help="comma-separated: f16, bf16")
@@ -570,6 +606,8 @@ def main(argv=None):
                    "kernel and the dispatcher's choice vs plain jnp, for each of --activations")
     p.add_argument("--activations", default="gelu_tanh", help="comma-separated activations for --dense: none, relu, "
                    "gelu_tanh, gelu_exact, silu")
+    p.add_argument("--breakdown", action="store_true", help="for --mlp and --dense steps, also time each "
+                   "variant's kernels one by one (CUPTI, median per kernel) and print them")
     p.add_argument("--json", help="write all rows to this JSON file")
     p.add_argument("--plot", help="write a PNG bar chart of TF/s per case to this file")
     args = p.parse_args(argv)
@@ -585,6 +623,7 @@ def main(argv=None):
     dtypes = args.dtype.split(",")
     stages = [int(s) for s in args.stages.split(",") if s]
     KERNEL_SAMPLES, SUSTAINED_ROUNDS = max(args.samples, 1), max(args.rounds, 1)
+    BREAKDOWN = args.breakdown
     kernels = [x for x in args.kernels.split(",") if x]
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:

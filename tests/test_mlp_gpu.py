@@ -175,6 +175,8 @@ def test_exact_gelu_lower_tail_elementwise(hopper):
     a bf16 ulp (2^-9) of the f32 reference plus that slack: 2^-8 is the bound. z (and the
     product it comes from) may differ from the reference's by f32 summation order, about
     1e-6 here, which moves Phi(z) by |z| times that, relatively: well inside the bound.
+    Below z = -13.2 the epilogue's exp flushes to 0 (ftz), and so do act and act', whose
+    magnitudes are then below 2^-123: 2^-122 of absolute slack admits exactly that.
     (The former 0.5 (1 + erff(z / sqrt2)) lost all digits below z = -5.5.)
     """
     dtype, m, n, k = jnp.bfloat16, 256, 264, 64
@@ -208,5 +210,5 @@ def test_exact_gelu_lower_tail_elementwise(hopper):
                                   ("derivative form act'", d, d_ref, 0.0), ("backward form", dz, dz_ref, dz_slack)):
         o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
         assert (np.abs(r) > 1e-30).mean() > 0.9, "the test must reach the tail's small values"
-        bad = np.abs(o - r) > 2.0**-8 * np.abs(r) + np.asarray(slack, np.float64)
+        bad = np.abs(o - r) > 2.0**-8 * np.abs(r) + np.asarray(slack, np.float64) + 2.0**-122
         assert not bad.any(), f"{name}: {bad.sum()} elements off, e.g. {o[bad][:3]} vs {r[bad][:3]}"

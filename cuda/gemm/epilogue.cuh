@@ -157,7 +157,8 @@ struct DirectStoreEpilogue {
 // 25 plus a second exp, and, unlike 0.5 (1 + erff(v / sqrt2)), nothing cancels in the
 // lower tail: that form loses 10% of Phi(-5) = 2.9e-7 and all of it below v = -5.5.
 // ex2.approx.ftz and rcp.approx.ftz (within 2 ulp): the flush changes a result only where
-// exp(-v^2 / 2) < 2^-126, |v| > 13.2, where Phi is within 2^-126 of 0 or 1.
+// exp(-v^2 / 2) < 2^-126, |v| > 13.2: Phi is then within 2^-126 of 0 or 1, and GELU and its
+// derivative for v < -13.2, below 2^-123 in magnitude, come out 0.
 struct NormalCdf {
   float cdf;         // Phi(v)
   float exp_square;  // exp(-v^2 / 2)
