@@ -202,6 +202,24 @@ __device__ __noinline__ uint4 gelu_erf_with_derivative_x4(float v0, float v1, fl
                     pack_pair<Element>(r2.y, r3.y));
 }
 
+// Calls f(std::integral_constant<Activation, a>{}) for the run-time activation a, so each
+// epilogue form is compiled once per activation and the choice is not re-made per element.
+template <class F>
+__device__ __forceinline__ void with_activation(Activation a, F&& f) {
+  switch (a) {
+    case Activation::kRelu:
+      return f(std::integral_constant<Activation, Activation::kRelu>{});
+    case Activation::kGeluTanh:
+      return f(std::integral_constant<Activation, Activation::kGeluTanh>{});
+    case Activation::kGeluErf:
+      return f(std::integral_constant<Activation, Activation::kGeluErf>{});
+    case Activation::kSilu:
+      return f(std::integral_constant<Activation, Activation::kSilu>{});
+    default:
+      return f(std::integral_constant<Activation, Activation::kNone>{});
+  }
+}
+
 // The fused epilogue's arithmetic, on the f32 accumulator before any rounding:
 // acc = act(acc + bias[col]) + residual[row][col] (cuBLASLt's bias/activation epilogues
 // plus a residual add), or in the backward form acc = acc * act'(z[row][col]) with the
@@ -412,10 +430,7 @@ struct FusedOps {
 #pragma unroll
       for (int i = 0; i < kResidualChunk; ++i) {
         const int j = j0 + i;
-        // Pair index (col - col0) / 2 = lane % 4 + 4j: lanes with equal lane % 4 read
-        // one word (broadcast).
-        const float2 b = has_bias ? unpack(bias_smem[lane % 4 + j * Direct::kColsPerBlock / 2])
-                                  : make_float2(-0.0f, -0.0f);  // x + (-0) = x: a -0 product stays -0
+        const float2 b = bias_of_block(bias_smem, has_bias, j);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const float2 loaded = unpack(res[i][half]);  // the residual, or z in the backward form
@@ -448,18 +463,10 @@ struct FusedOps {
   template <bool kGrad>
   __device__ static void apply_form(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
                                     const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias) {
-    switch (out.activation) {
-      case Activation::kRelu:
-        return apply_as<Activation::kRelu, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
-      case Activation::kGeluTanh:
-        return apply_as<Activation::kGeluTanh, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
-      case Activation::kGeluErf:
-        return apply_as<Activation::kGeluErf, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
-      case Activation::kSilu:
-        return apply_as<Activation::kSilu, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
-      default:  // no activation; in the backward form: times a saved act'(z) (times_derivative)
-        apply_as<Activation::kNone, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
-    }
+    // kNone: no activation; in the backward form, times a saved act'(z) (times_derivative).
+    with_activation(out.activation, [&](auto act) {
+      apply_as<decltype(act)::value, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
+    });
   }
 
   // `bias_pair` is what prefetch returned for this tile; `bias_smem` this warpgroup's
@@ -485,7 +492,9 @@ struct FusedOps {
   }
 
   // Bias pair of the thread's accumulator column block j (its columns
-  // 8j + 2 (lane % 4) + {0, 1}); -0 without a bias (x + (-0) = x).
+  // 8j + 2 (lane % 4) + {0, 1}); -0 without a bias (x + (-0) = x: a -0 product stays -0).
+  // Pair index (col - col0) / 2 = lane % 4 + 4j: lanes with equal lane % 4 read one word
+  // (broadcast).
   __device__ static float2 bias_of_block(const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias, int j) {
     const int lane = hopper::thread_in_warpgroup() % hopper::kWarpSize;
     return has_bias ? unpack(bias_smem[lane % 4 + j * Direct::kColsPerBlock / 2]) : make_float2(-0.0f, -0.0f);
@@ -684,22 +693,12 @@ struct TmaStoreEpilogue {
                                                const uint32_t (&bias_smem)[hopper::kWarpgroupSize], int warpgroup,
                                                int row0, int col0) {
     const bool has_bias = out.bias != nullptr;
-    switch (out.activation) {
-      case Activation::kRelu:
-        return store_with_derivative_as<Activation::kRelu>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
-                                                           warpgroup, row0, col0);
-      case Activation::kGeluTanh:
-        return store_with_derivative_as<Activation::kGeluTanh>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
-                                                               warpgroup, row0, col0);
-      case Activation::kGeluErf:
-        return store_with_derivative_as<Activation::kGeluErf>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
-                                                              warpgroup, row0, col0);
-      case Activation::kSilu:
-        return store_with_derivative_as<Activation::kSilu>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias,
-                                                           warpgroup, row0, col0);
-      default:
-        return;  // refused by the host
-    }
+    with_activation(out.activation, [&](auto act) {
+      constexpr Activation kAct = decltype(act)::value;
+      if constexpr (kAct != Activation::kNone) {  // kNone is refused by the host
+        store_with_derivative_as<kAct>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias, warpgroup, row0, col0);
+      }
+    });
   }
 
   // The stores must have read shared memory before the CTA exits.
