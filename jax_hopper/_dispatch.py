@@ -213,19 +213,25 @@ def choose_f16_accumulation(problem: Problem, policy: str | None = None) -> tupl
 # largest K measured ahead; unbatched (ops.dense folds leading dimensions into M),
 # aligned rows, all dimensions >= FUSED_MIN_DIM. Elsewhere the plain table decides.
 # Exact GELU, since its epilogue takes Phi from one exp (2026-12-01, BENCHMARKS.md "exact
-# GELU from one exp"), was also measured ahead with M or K down to 2048 (MxNxK 2048x8192x4096:
-# 1.11x, 8192x8192x2048: 1.25x, f16 and bf16, sustained alike) and even at K = 16384
-# (0.99-1.00x: no gain, so K stays <= 8192): its M and K may be as small as 2048.
+# GELU from one exp"), was also measured ahead with one of M, K at 2048 and N = 8192 (MxNxK
+# 2048x8192x4096: 1.11x, 8192x8192x2048: 1.25x, f16 and bf16, sustained alike) and tied at
+# K = 16384 (0.99-1.00x, so K stays <= 8192): it also wins with one of M, K down to
+# FUSED_SMALL_M_OR_K and N >= FUSED_SMALL_MIN_N (both small at once was not measured).
 FUSED_MIN_DIM = 4096
 FUSED_ACTIVATION_MAX_K = {"gelu_exact": 8192, "gelu_tanh": 4096, "silu": 4096}
-FUSED_ACTIVATION_MIN_M_AND_K = {"gelu_exact": 2048}
+FUSED_SMALL_M_OR_K = {"gelu_exact": 2048}
+FUSED_SMALL_MIN_N = 8192
 
 
 def fused_activation_wins(p: Problem, activation: str | None) -> bool:
-    max_k = FUSED_ACTIVATION_MAX_K.get(activation, 0)
-    min_m_and_k = min(FUSED_ACTIVATION_MIN_M_AND_K.get(activation, FUSED_MIN_DIM), FUSED_MIN_DIM)
-    return (p.batch <= 1 and p.rows_aligned and p.out_itemsize == p.itemsize and
-            min(p.m, p.k) >= min_m_and_k and p.n >= FUSED_MIN_DIM and p.k <= max_k)
+    if not (p.batch <= 1 and p.rows_aligned and p.out_itemsize == p.itemsize and
+            p.k <= FUSED_ACTIVATION_MAX_K.get(activation, 0)):
+        return False
+    if min(p.m, p.n, p.k) >= FUSED_MIN_DIM:
+        return True
+    small = FUSED_SMALL_M_OR_K.get(activation)
+    return (small is not None and p.n >= FUSED_SMALL_MIN_N and min(p.m, p.k) >= small and
+            max(p.m, p.k) >= FUSED_MIN_DIM)
 
 
 def choose_dense(problem: Problem, activation: str | None, policy: str | None = None) -> tuple[str, str]:

@@ -20,6 +20,7 @@ Ratios are jnp.dot time / ours: above 1 means ours is faster.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import math
@@ -470,8 +471,9 @@ def kernel_breakdown(fn, args, samples):
     measure = profiler.measure(fn, aggregate=False)
     measure(*args)  # warm-up
     runs = [measure(*args)[1] or [] for _ in range(samples)]
-    names = [name for name, _ in runs[0]]
-    runs = [r for r in runs if [name for name, _ in r] == names]  # one launch sequence
+    sequences = collections.Counter(tuple(name for name, _ in r) for r in runs)
+    names = list(sequences.most_common(1)[0][0])  # the usual launch sequence, should one call differ
+    runs = [r for r in runs if [name for name, _ in r] == names]
     return [(short_kernel_name(name), statistics.median(r[i][1] for r in runs)) for i, name in enumerate(names)]
 
 

@@ -41,3 +41,24 @@ def test_bench_refuses_to_time_the_fallback_on_a_gpu(monkeypatch):
     monkeypatch.setattr(bench.jax_hopper, "kernel_available", lambda: False)
     with pytest.raises(SystemExit, match="would time XLA's dot under our name"):
         bench.main(["--shapes", "64", "--no-torch"])
+
+
+def test_breakdown_names_our_kernels_by_kind():
+    # CUPTI reports our kernel by its mangled name; --breakdown shows its kind number.
+    mangled = ("_ZN10jax_hopper11gemm_kernelINS_10GemmConfigILNS_10KernelKindE11E6__halfLNS_5MajorE0ELS4_1ELi4EEEEEv"
+               "14CUtensorMap_stS6_S6_NS_12OutputParamsE")
+    assert bench.short_kernel_name(mangled) == "jax_hopper gemm_kernel kind 11"
+    assert bench.short_kernel_name("nvjet_sm90_hsh_256x128_64x4_1x2_h_bx_coopA_bias_NNT") == \
+        "nvjet_sm90_hsh_256x128_64x4_1x2_h_bx_coopA_bias_NNT"
+    assert len(bench.short_kernel_name("x" * 200)) == 72
+
+
+def test_breakdown_only_where_cupti_times_kernels(capsys, monkeypatch):
+    # main() sets the protocol's globals from its flags: restore them afterwards.
+    for name in ("BREAKDOWN", "KERNEL_SAMPLES", "SUSTAINED_ROUNDS"):
+        monkeypatch.setattr(bench, name, getattr(bench, name))
+    bench.main(["--shapes=", "--no-torch", "--mlp", "48x32x64", "--mlp-steps", "train mlp op", "--samples", "1",
+                "--rounds", "1", "--breakdown"])
+    # On a GPU each variant's kernels are listed; on CPU (wall clock) there is nothing to list.
+    listed = "kernels of mlp train mlp op [gelu_tanh]" in capsys.readouterr().out
+    assert listed == (jax.devices()[0].platform == "gpu")

@@ -132,10 +132,12 @@ def test_fused_activation_rule_covers_only_what_was_measured(dtype):
         assert choose(k8192, "gelu_exact") == ("kernel", "fused-activation")
         assert choose(k8192, "gelu_tanh") == ("xla", "default")  # 0.995-1.004x at K = 8192
         assert choose(_dense_problem(8192, 16384, 8192, dtype), "gelu_exact") == ("xla", "default")  # K unmeasured
-        # Exact GELU was measured ahead with M or K at 2048 too (N >= 4096); not below.
+        # Exact GELU was measured ahead with one of M, K at 2048 too (N = 8192); not beyond.
         assert choose(_dense_problem(2048, 4096, 8192, dtype), "gelu_exact") == ("kernel", "fused-activation")
         assert choose(_dense_problem(8192, 2048, 8192, dtype), "gelu_exact") == ("kernel", "fused-activation")
-        assert choose(_dense_problem(1024, 4096, 8192, dtype), "gelu_exact") == ("xla", "default")  # M small
+        assert choose(_dense_problem(1024, 4096, 8192, dtype), "gelu_exact") == ("xla", "default")  # M smaller
+        assert choose(_dense_problem(2048, 2048, 8192, dtype), "gelu_exact") == ("xla", "default")  # both small
+        assert choose(_dense_problem(2048, 4096, 4096, dtype), "gelu_exact") == ("xla", "default")  # N < 8192
         assert choose(_dense_problem(8192, 4096, 2048, dtype), "gelu_exact") == ("xla", "default")  # N small
         for act in ("gelu_tanh", "silu"):
             assert choose(_dense_problem(2048, 4096, 16384, dtype), act) == ("xla", "default")  # M small

@@ -150,11 +150,11 @@ struct DirectStoreEpilogue {
 // The standard normal CDF Phi(v), and exp(-v^2 / 2) (the density times sqrt(2 pi)), from
 // one exp: with a = |v| / sqrt2, Phi(v) = erfc(a) / 2 for v < 0 and 1 - erfc(a) / 2 for
 // v >= 0, where erfc(a) = exp(-a^2) erfcx(a) and erfcx(a) = t (c0 + c1 t + ... + c7 t^7),
-// t = 1 / (1 + p a): a minimax fit in relative error, 1.3e-7 on [0, 12] (beyond, exp(-a^2)
+// t = 1 / (1 + p a): a minimax fit in relative error, 1.5e-7 on [0, 12] (beyond, exp(-a^2)
 // is 0 in f32). In f32, Phi and v Phi(v) stay within 8e-6 relative of the truth wherever
-// they exceed 1e-37 (worst at v ~ -13, from rounding v^2 before the exp; 1e-6 for
-// |v| < 5), far below 2^-11 (f16) and 2^-8 (bf16). This is 22 instructions against erff's
-// 25 plus a second exp, and, unlike 0.5 (1 + erff(v / sqrt2)), nothing cancels in the
+// they exceed 1e-37 (worst at v ~ -13, from rounding v^2 before the exp; 1.5e-6 for
+// |v| < 5), far below 2^-11 (f16) and 2^-8 (bf16). With act' this is 21 instructions
+// against erff's 25 plus a second exp, and, unlike 0.5 (1 + erff(v / sqrt2)), nothing cancels in the
 // lower tail: that form loses 10% of Phi(-5) = 2.9e-7 and all of it below v = -5.5.
 // ex2.approx.ftz and rcp.approx.ftz (within 2 ulp): the flush changes a result only where
 // exp(-v^2 / 2) < 2^-126, |v| > 13.2: Phi is then within 2^-126 of 0 or 1, and GELU and its
