@@ -24,6 +24,7 @@ import collections
 import functools
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -479,8 +480,6 @@ def kernel_breakdown(fn, args, samples):
 
 def short_kernel_name(name: str) -> str:
     """Our kernels by kind number (mangled C++ otherwise), everything else as named."""
-    import re
-
     kind = re.search(r"jax_hopper.*KernelKindE(\d+)", name)
     return f"jax_hopper gemm_kernel kind {kind.group(1)}" if kind else name[:72]
 
