@@ -154,8 +154,9 @@ struct DirectStoreEpilogue {
 // is 0 in f32). In f32, Phi and v Phi(v) stay within 8e-6 relative of the truth wherever
 // they exceed 1e-37 (worst at v ~ -13, from rounding v^2 before the exp; 1.5e-6 for
 // |v| < 5), far below 2^-11 (f16) and 2^-8 (bf16). With act' this is 21 instructions
-// against erff's 25 plus a second exp, and, unlike 0.5 (1 + erff(v / sqrt2)), nothing cancels in the
-// lower tail: that form loses 10% of Phi(-5) = 2.9e-7 and all of it below v = -5.5.
+// against erff's 25 plus a second exp, and, unlike 0.5 (1 + erff(v / sqrt2)), nothing
+// cancels in the lower tail: that form loses 10% of Phi(-5) = 2.9e-7 and all of it below
+// v = -5.5.
 // ex2.approx.ftz and rcp.approx.ftz (within 2 ulp): the flush changes a result only where
 // exp(-v^2 / 2) < 2^-126, |v| > 13.2: Phi is then within 2^-126 of 0 or 1, and GELU and its
 // derivative for v < -13.2, below 2^-123 in magnitude, come out 0.
