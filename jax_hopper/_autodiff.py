@@ -32,12 +32,13 @@ from jax.interpreters import ad
 from jax_hopper import _dispatch
 from jax_hopper._fallback import (
     ACTIVATION_FNS,
+    activation_derivative,
     activation_grad_reference,
     dense_like_jnp,
     dense_with_derivative_reference,
     gemm_reference,
 )
-from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p, fused_dense
+from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p, fused_dense, fused_dense_with_derivative
 from jax_hopper._primitive import gemm, gemm_p
 from jax_hopper._sharding import is_explicit, merge_drops_explicit_sharding, padded_spec
 
@@ -148,9 +149,61 @@ ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)
 # undifferentiated fused call, and the fused activation (the forward's gain) is not
 # used. act' is applied by XLA in the backward pass too: fusing it into the epilogue
 # of the product that produces the cotangent is not done.
+# The saved-derivative form (exact GELU by default, where the dispatcher runs the
+# derivative kind; no residual, which that kind does not add): one launch writes act(z)
+# and act'(z), both from the f32 z, and the tangent is act'(z) dz, so the backward pass
+# multiplies by the saved act'(z) instead of recomputing it from z -- jax_hopper.mlp's
+# form, for a block built from `dense` calls. The value is then the undifferentiated
+# fused call's (one rounding of act(z)).
+def derivative_kind_runs(x, w, b, activation) -> bool:
+    """Whether the dispatcher sends act(z), act'(z) of z = x w + b to the derivative kind."""
+    if activation is None:
+        return False
+    problem = _dispatch.problem_of((math.prod(x.shape[:-1]), x.shape[-1]), w.shape, x.dtype, x.dtype, False, False)
+    explicit = any(is_explicit(_sharding_of(v)) for v in (x, w, b) if v is not None)
+    return not explicit and _dispatch.choose_dense_with_derivative(problem, activation)[0] == "kernel"
+
+
+def saved_derivative_choice(x, w, b, activation) -> tuple[bool, bool]:
+    """(whether to save act'(z) instead of z, whether the derivative kind computes it)."""
+    # Only asked where the form can apply: the question may warn that the kernel is missing.
+    kernel = _dispatch.may_save_derivative(activation) and derivative_kind_runs(x, w, b, activation)
+    return _dispatch.saves_derivative(activation, kernel), kernel
+
+
+def activation_and_derivative(x, w, b, activation, kernel):
+    """(act(z), act'(z)) for z = x w + b: one launch of the derivative kind (both from the
+    f32 z) if `kernel`, else the layer (dispatched as in `dense`) and one XLA pass
+    computing both from its 16-bit result."""
+    if kernel:
+        return fused_dense_with_derivative(x, w, b, activation=activation)
+    from jax_hopper.ops import dense
+
+    z = dense(x, w, b)
+    return ACTIVATION_FNS[activation](z), activation_derivative(z, activation)
+
+
+def _z_tangent(x, w, dx, dw, dbias, has_bias):
+    """dz = dx w + x dw + db, each product dispatched (16-bit, as jnp.dot's tangents)."""
+    dz = None
+    for tangent, product in ((dx, lambda t: _product(t, w)), (dw, lambda t: _product(x, t))):
+        if not isinstance(tangent, ad.Zero):
+            dz = product(tangent) if dz is None else dz + product(tangent)
+    if has_bias and not isinstance(dbias, ad.Zero):
+        # Alone (x and w fixed: a bias-only fine-tune) the bias tangent still spans all rows.
+        dz = jnp.broadcast_to(dbias, x.shape[:-1] + w.shape[1:]) if dz is None else dz + dbias
+    return jnp.zeros(x.shape[:-1] + w.shape[1:], x.dtype) if dz is None else dz
+
+
 def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
     x, w, bias, residual = primals
     dx, dw, dbias, dresidual = tangents
+    optional_bias = bias if has_bias else None
+    if activation is not None and not has_residual:
+        save, kernel = saved_derivative_choice(x, w, optional_bias, activation)
+        if save:
+            y, derivative = activation_and_derivative(x, w, optional_bias, activation, kernel)
+            return y, derivative * _z_tangent(x, w, dx, dw, dbias, has_bias)
     if not _kernel_chosen(x, w, False, False):
         # The table sends the plain product to XLA (the fused kernel was picked for its
         # activation, a saving the derivative cannot use): differentiate jnp's own
@@ -172,16 +225,7 @@ def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
             return y, jnp.zeros_like(y)
         return jax.jvp(like_jnp, [primals[i] for i in moving], [tangents[i] for i in moving])
     f32 = jnp.float32
-    dz = None
-    for tangent, product in ((dx, lambda t: _product(t, w)), (dw, lambda t: _product(x, t))):
-        if not isinstance(tangent, ad.Zero):
-            dz = product(tangent) if dz is None else dz + product(tangent)
-    if has_bias and not isinstance(dbias, ad.Zero):
-        # Alone (x and w fixed: a bias-only fine-tune) the bias tangent still spans all rows.
-        dz = jnp.broadcast_to(dbias, x.shape[:-1] + w.shape[1:]) if dz is None else dz + dbias
-    if dz is None:
-        dz = jnp.zeros(x.shape[:-1] + w.shape[1:], x.dtype)
-    optional_bias = bias if has_bias else None
+    dz = _z_tangent(x, w, dx, dw, dbias, has_bias)
     if activation is None:
         y = fused_dense(x, w, optional_bias, residual if has_residual else None)
         dy = dz

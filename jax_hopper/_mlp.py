@@ -46,9 +46,15 @@ import jax
 import jax.numpy as jnp
 
 from jax_hopper import _dispatch
-from jax_hopper._autodiff import _contracting_leading_dims, _product, _sharding_of
-from jax_hopper._fallback import ACTIVATION_FNS, activation_derivative
-from jax_hopper._fused import fused_activation_grad, fused_dense_with_derivative
+from jax_hopper._autodiff import (
+    _contracting_leading_dims,
+    _product,
+    _sharding_of,
+    activation_and_derivative,
+    saved_derivative_choice,
+)
+from jax_hopper._fallback import ACTIVATION_FNS
+from jax_hopper._fused import fused_activation_grad
 from jax_hopper._sharding import is_explicit
 
 
@@ -88,33 +94,12 @@ def mlp_block(x, w1, b1, w2, b2, residual, activation):
     return _dense(h, w2, b2, residual=residual)
 
 
-def _derivative_kind_runs(x, w1, b1, activation):
-    """Whether the dispatcher sends act(z1), act'(z1) to the derivative kind."""
-    if activation is None:
-        return False
-    problem = _dispatch.problem_of((math.prod(x.shape[:-1]), x.shape[-1]), w1.shape, x.dtype, x.dtype, False, False)
-    explicit = any(is_explicit(_sharding_of(v)) for v in (x, w1, b1) if v is not None)
-    return not explicit and _dispatch.choose_dense_with_derivative(problem, activation)[0] == "kernel"
-
-
-def _activation_and_derivative(x, w1, b1, activation, kernel):
-    """(act(z1), act'(z1)) for z1 = x w1 + b1: one launch of the derivative kind (both
-    from the f32 z1) if `kernel`, else the layer (dispatched as in `dense`) and one XLA
-    pass computing both from its 16-bit result."""
-    if kernel:
-        return fused_dense_with_derivative(x, w1, b1, activation=activation)
-    z1 = _dense(x, w1, b1)
-    return ACTIVATION_FNS[activation](z1), activation_derivative(z1, activation)
-
-
 def _forward(x, w1, b1, w2, b2, residual, activation):
     # The saved-derivative form keeps act'(z1) instead of z1: the backward pass then
     # multiplies instead of recomputing act' (_dispatch.saves_derivative).
-    # (Only asked where the form can apply: the question may warn that the kernel is missing.)
-    kernel = _dispatch.may_save_derivative(activation) and _derivative_kind_runs(x, w1, b1, activation)
-    derivative = _dispatch.saves_derivative(activation, kernel)
+    derivative, kernel = saved_derivative_choice(x, w1, b1, activation)
     if derivative:
-        h, kept = _activation_and_derivative(x, w1, b1, activation, kernel)
+        h, kept = activation_and_derivative(x, w1, b1, activation, kernel)
     else:
         kept = _dense(x, w1, b1)
         h = ACTIVATION_FNS[activation](kept)

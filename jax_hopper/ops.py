@@ -347,7 +347,9 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     computing it as jnp would: ``act(x @ w + bias) + residual`` on 16-bit values (the
     same answers as the user's own jnp, at its speed). Differentiable (each product of
     the derivative is dispatched like a plain product; where only the activation picked
-    the kernel, the value and gradient under differentiation are jnp's) and vmappable.
+    the kernel, the value and gradient under differentiation are jnp's -- except exact
+    GELU without a residual where the derivative kind runs: one launch then writes
+    act(z) and act'(z), and the backward pass multiplies by act'(z)) and vmappable.
     """
     from jax_hopper._fallback import dense_like_jnp
     from jax_hopper._fused import fused_dense

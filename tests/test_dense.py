@@ -251,3 +251,59 @@ def test_all_weak_operands_give_jnps_weak_result():
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
     h = jnp.ones((4, 3), jnp.float16)
     assert (ours + h).dtype == jnp.float16
+
+
+@pytest.mark.parametrize("policy", ["kernel", "xla"])
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "gelu_exact", "silu"])
+def test_gradients_with_the_saved_derivative(activation, policy):
+    """dense's saved-derivative form (jax_hopper.mlp's, for a layer on its own): the
+    forward writes act(z) and act'(z) and the tangent is act'(z) dz. Forced here for
+    every activation: under policy "kernel" one launch of the derivative kind, gradients
+    as close to the f32 reference as the default form's (test above) and the value the
+    undifferentiated call's; under "xla" (no dense primitive: jnp's own computation,
+    derivative included) the scope changes nothing."""
+    from jax_hopper import _dispatch
+
+    x, w, b, _ = _operands((64, 48), 80, jnp.float16, seed=5)
+
+    def loss(f):
+        return lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
+
+    layer = lambda x, w, b: jax_hopper.dense(x, w, b, activation=activation)  # noqa: E731
+    ref = loss(lambda x, w, b: f32_reference(x, w, b, None, activation))
+    with jax_hopper.dispatch(policy), _dispatch.saved_derivative({activation}):
+        g_ours = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))(x, w, b)
+        y, _ = jax.jit(lambda *a: jax.jvp(layer, a, a))(x, w, b)
+        undifferentiated = jax.jit(layer)(x, w, b)
+        text = cuda_text(jax.grad(loss(layer), argnums=(0, 1, 2)), x, w, b)
+    g_ref = jax.grad(ref, argnums=(0, 1, 2))(x, w, b)
+    for name, go, gr in zip("x w bias".split(), g_ours, g_ref):
+        assert go.dtype == jnp.float16, name
+        assert relative_error(go, gr.astype(jnp.float32)) < 1e-2, name
+    # Both round act of the same f32 z once (on the kernel path two kernel kinds, which
+    # may order the f32 sums differently): at most one f16 step apart.
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(undifferentiated, np.float32),
+                               rtol=2.0**-10, atol=2.0**-24)
+    # N = 80, a multiple of 8: under policy "kernel" one launch of the derivative kind.
+    assert ("@jax_hopper_gemm_fused_derivative(" in text) == (policy == "kernel")
+
+
+def test_saved_derivative_by_default_where_the_derivative_kind_runs():
+    """By default (policy "auto") dense saves act'(z) for exact GELU where the
+    fused-activation rule runs the derivative kind, and never with a residual (that
+    kind does not add one), for tanh-GELU, or on layers too small for the rule."""
+    S = jax.ShapeDtypeStruct
+    x, w, b, r = S((4096, 4096), jnp.bfloat16), S((4096, 8192), jnp.bfloat16), S((8192,), jnp.bfloat16), \
+        S((4096, 8192), jnp.bfloat16)
+
+    def grad_program(activation, residual=None, shapes=(x, w, b)):
+        f = lambda x, w, b, *r: jnp.sum(jax_hopper.dense(x, w, b, activation=activation,  # noqa: E731
+                                                         residual=r[0] if r else None).astype(jnp.float32))
+        with jax_hopper.dispatch("auto"):
+            return cuda_text(jax.grad(f, argnums=(0, 1, 2)), *shapes, *([residual] if residual is not None else []))
+
+    assert len(re.findall(r"@jax_hopper_gemm_fused_derivative\(", grad_program("gelu_exact"))) == 1
+    assert "jax_hopper_gemm_fused_derivative" not in grad_program("gelu_exact", residual=r)
+    assert "jax_hopper_gemm_fused_derivative" not in grad_program("gelu_tanh")
+    small = (S((256, 128), jnp.bfloat16), S((128, 512), jnp.bfloat16), S((512,), jnp.bfloat16))
+    assert "jax_hopper_gemm_fused_derivative" not in grad_program("gelu_exact", shapes=small)
