@@ -349,7 +349,8 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     the derivative is dispatched like a plain product; where only the activation picked
     the kernel, the value and gradient under differentiation are jnp's -- except exact
     GELU without a residual where the derivative kind runs: one launch then writes
-    act(z) and act'(z), and the backward pass multiplies by act'(z)) and vmappable.
+    act(z) and act'(z), and the backward pass multiplies by act'(z); in a program
+    spanning devices that launch lowers to jnp's computation) and vmappable.
     """
     from jax_hopper._fallback import dense_like_jnp
     from jax_hopper._fused import fused_dense
