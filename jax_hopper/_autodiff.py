@@ -32,8 +32,8 @@ from jax.interpreters import ad
 from jax_hopper import _dispatch
 from jax_hopper._fallback import (
     ACTIVATION_FNS,
-    activation_derivative,
     activation_grad_reference,
+    activation_with_derivative,
     dense_like_jnp,
     dense_with_derivative_reference,
     gemm_reference,
@@ -180,8 +180,7 @@ def activation_and_derivative(x, w, b, activation, kernel):
         return fused_dense_with_derivative(x, w, b, activation=activation)
     from jax_hopper.ops import dense
 
-    z = dense(x, w, b)
-    return ACTIVATION_FNS[activation](z), activation_derivative(z, activation)
+    return activation_with_derivative(dense(x, w, b), activation)
 
 
 def _z_tangent(x, w, dx, dw, dbias, has_bias):

@@ -286,7 +286,8 @@ def may_save_derivative(activation: str | None) -> bool:
 
 
 def saves_derivative(activation: str | None, derivative_kind_runs: bool) -> bool:
-    """Whether ops.mlp's forward saves act'(z1) for this activation (traced-time choice);
+    """Whether ops.mlp's forward (and a differentiated ops.dense without a residual) saves
+    act'(z1) for this activation (traced-time choice);
     `derivative_kind_runs`: whether choose_dense_with_derivative picked the kernel."""
     if activation is None:
         return False

@@ -81,13 +81,18 @@ def activation_grad_like_jnp(g, w, z, *, activation):
     return jax.vjp(ACTIVATION_FNS[activation], z)[1](dh)[0]
 
 
+def activation_with_derivative(z, activation):
+    """(act(z), act'(z)), both computed from z in z's type."""
+    return ACTIVATION_FNS[activation](z), activation_derivative(z, activation)
+
+
 def dense_with_derivative_reference(x, w, bias, *, activation):
     """(act(z), act'(z)) for z = x @ w + bias with the derivative kernel's arithmetic: f32
     product and sum, both functions of the f32 z, each rounded once to x's type."""
     z = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     if bias is not None:
         z = z + bias.astype(jnp.float32)
-    return ACTIVATION_FNS[activation](z).astype(x.dtype), activation_derivative(z, activation).astype(x.dtype)
+    return tuple(v.astype(x.dtype) for v in activation_with_derivative(z, activation))
 
 
 def dense_with_derivative_like_jnp(x, w, bias, *, activation):
@@ -95,8 +100,7 @@ def dense_with_derivative_like_jnp(x, w, bias, *, activation):
     f32 sums, rounded; the bias add fused into cuBLASLt's epilogue), then both functions
     of that z in one elementwise pass. What a program spanning several devices runs (XLA
     partitions it): an f32 product there would double the layer's output traffic."""
-    z = dense_like_jnp(x, w, bias, None, activation=None)
-    return ACTIVATION_FNS[activation](z), activation_derivative(z, activation)
+    return activation_with_derivative(dense_like_jnp(x, w, bias, None, activation=None), activation)
 
 
 def dense_epilogue(z, bias, residual, *, activation, dtype):

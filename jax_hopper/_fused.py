@@ -18,6 +18,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_hopper import _ffi
+from jax_hopper._dispatch import DERIVATIVE_WIDTH_MULTIPLE
 from jax_hopper._fallback import (
     ACTIVATION_FNS,
     activation_grad_reference,
@@ -172,7 +173,6 @@ def fused_activation_grad(g, w, z, *, activation):
 # XLA with the kernel's arithmetic, and programs spanning several devices as jnp would
 # (z rounded to 16 bits; XLA partitions it: the primitive has no partitioning rules).
 # Its derivatives (second order) are those of the reference arithmetic.
-DERIVATIVE_ROW_MULTIPLE = 8
 dense_derivative_p = Primitive("jax_hopper_dense_with_derivative")
 dense_derivative_p.multiple_results = True
 
@@ -200,7 +200,7 @@ def _derivative_cuda_impl(x, w, bias, *, activation, has_bias):
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
         return _derivative_default_impl(x, w, bias, activation=activation, has_bias=has_bias)
-    if w.shape[1] % DERIVATIVE_ROW_MULTIPLE:
+    if w.shape[1] % DERIVATIVE_WIDTH_MULTIPLE:
         return _derivative_default_impl(x, w, bias, activation=activation, has_bias=has_bias)
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[1],), x.dtype)
     x, w = _pad_for_tma(x, w, False, False)

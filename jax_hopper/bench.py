@@ -34,7 +34,12 @@ import jax.numpy as jnp
 
 import jax_hopper
 from jax_hopper import _dispatch, _ffi
-from jax_hopper._fallback import ACTIVATION_FNS, activation_derivative, activation_grad_like_jnp
+from jax_hopper._fallback import (
+    ACTIVATION_FNS,
+    activation_derivative,
+    activation_grad_like_jnp,
+    activation_with_derivative,
+)
 from jax_hopper._fused import fused_activation_grad, fused_dense_with_derivative
 from jax_hopper._primitive import DEFAULT_KERNEL, KERNELS, gemm
 
@@ -413,7 +418,7 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
         # the f32 z1) against jnp's product and one pass computing both.
         "dense1 act and act'": ({"jax_hopper": lambda xh, p: fused_dense_with_derivative(xh[0], p[0], p[1],
                                                                                          activation=activation),
-                                 "jnp": lambda xh, p: _with_derivative(xh[0] @ p[0] + p[1], activation)},
+                                 "jnp": lambda xh, p: activation_with_derivative(xh[0] @ p[0] + p[1], activation)},
                                 (x, hidden), 1),
         "dense1 bias+act": ({"jax_hopper": _kernel_forced(dense1), "jax_hopper auto": _auto(dense1),
                                        "jnp": lambda xh, p: act(xh[0] @ p[0] + p[1])}, (x, hidden), 1),
@@ -443,9 +448,6 @@ def _policy(policy, f):
             return f(*args)
     return run
 
-
-def _with_derivative(z, activation):
-    return ACTIVATION_FNS[activation](z), activation_derivative(z, activation)
 
 
 def _saved_derivative(activation, f):
