@@ -64,7 +64,15 @@ def test_dot_general_matches_lax(case, seed):
     ka, kb = jax.random.split(jax.random.key(seed))
     lhs, rhs = _random(ka, lhs_shape, dtype), _random(kb, rhs_shape, dtype)
     ours = jax.jit(lambda x, y: jax_hopper.dot_general(x, y, dims, preferred_element_type=preferred))(lhs, rhs)
-    theirs = lax.dot_general(lhs, rhs, dims, preferred_element_type=preferred)
+    try:
+        theirs = lax.dot_general(lhs, rhs, dims, preferred_element_type=preferred)
+    except jax.errors.JaxRuntimeError as e:
+        # XLA:CPU's dot lacks some bf16 x bf16 -> f32 layouts (seen in CI: lhs [4, 2],
+        # rhs [4, 3, 3], contracting dim 0 of both). The same product of the same values
+        # widened to f32 first is exact in its inputs, so it stands in for jax's own.
+        if "Unsupported element type" not in str(e):
+            raise
+        theirs = lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32), dims).astype(preferred or dtype)
     assert_same_product(ours, theirs, lhs, rhs, dims)
 
 
