@@ -200,6 +200,7 @@ ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
   args.activation_grad = activation_grad == 1;
   KernelChoice choice;
   choice.kind = args.activation_grad ? KernelKind::kPersistentFusedGrad : KernelKind::kPersistentFused;
+  if (args.activation_grad) choice.stages = kFusedGradStages;
   return to_ffi(gemm(args, choice, stream));
 }
 

@@ -116,7 +116,16 @@ struct GemmConfig {
   static constexpr int kStoreRowBytes = 128;
   static constexpr int kStoreRows = kMmaM;  // one wgmma row block per sub-tile
   static constexpr int kStoreBufferBytes = kStoreRows * kStoreRowBytes;  // 8 KB
-  static constexpr int kMaxStoreBuffers = 2;  // two already hide a store behind the next sub-tile
+  // The backward form stages its second operand (z, or the saved act'(z)): while the
+  // tile's mainloop runs, one thread of each consumer warpgroup TMA-loads the
+  // warpgroup's 64 x 256 slice of it into the store buffers, one sub-tile each; the
+  // epilogue reads each sub-tile from there (ldmatrix, the inverse of the stmatrix that
+  // then writes the result in its place) and stores it. Loaded by the epilogue itself
+  // instead, a chunk of registers at a time, the operand's L2 round trips were on every
+  // tile's critical path (BENCHMARKS.md). Its 64 KB take the place of a fourth stage.
+  static constexpr bool kStagedOperand = kActivationGrad;
+  static constexpr int kOperandSubtiles = kBlockN * static_cast<int>(sizeof(Element)) / kStoreRowBytes;  // 4
+  static constexpr int kMaxStoreBuffers = kStagedOperand ? kOperandSubtiles : 2;  // two already hide a store
   // Named hardware barriers of the consumer warpgroups' epilogues (0 is __syncthreads').
   static constexpr int kFirstEpilogueBarrier = 1;
   static constexpr int kHardwareBarriers = 16;
@@ -140,6 +149,7 @@ struct GemmConfig {
                 "ping-pong: two f32 warpgroups, plain epilogue, whole tiles");
   static_assert(!kTmaStoreEpilogue || kStoreBuffers >= 1, "no room left for the epilogue's staging buffer");
   static_assert(!kSavesDerivative || kStoreBuffers == 2, "the derivative kind stages C and D side by side");
+  static_assert(!kStagedOperand || kStoreBuffers == kOperandSubtiles, "a store buffer per sub-tile of the operand");
   static_assert(!kProducerWarpgroup || kProducerThreads * kProducerRegisters +
                                                kConsumerWarpgroups * hopper::kWarpgroupSize * kConsumerRegisters <=
                                            kThreads * kLaunchRegisters,
@@ -175,6 +185,15 @@ struct TurnStorage {
 template <class Cfg>
 struct TurnStorage<Cfg, false> {};
 
+// The staged operand's barrier, one per consumer warpgroup: its loads complete on it
+// (transaction bytes), one phase per tile.
+template <class Cfg, bool = Cfg::kStagedOperand>
+struct OperandStorage {
+  uint64_t full[Cfg::kConsumerWarpgroups];
+};
+template <class Cfg>
+struct OperandStorage<Cfg, false> {};
+
 template <class Cfg>
 struct SharedStorage {
   struct alignas(kSmemAlignment) Stage {
@@ -185,6 +204,7 @@ struct SharedStorage {
   EpilogueStorage<Cfg> epilogue;
   FusedStorage<Cfg> fused;
   TurnStorage<Cfg> turns;
+  OperandStorage<Cfg> operand;
   uint64_t full[Cfg::kStages];   // TMA -> consumers: the stage holds fresh data
   uint64_t empty[Cfg::kStages];  // consumers -> TMA: the stage may be overwritten
 };

@@ -33,6 +33,7 @@ struct OutputParams {
   int64_t ld_residual;
   bool paired_inputs;  // bias, residual, ld_residual and n allow two-element loads
   Activation activation;
+  bool staged_operand;  // the backward form's z is TMA-loaded into the store buffers (config.cuh)
 };
 
 // Two adjacent columns as one store.
@@ -340,7 +341,7 @@ struct FusedOps {
 
   __device__ static uint32_t prefetch(const OutputParams& out, int row0, int col0) {
     const int t = hopper::thread_in_warpgroup();
-    if (out.residual != nullptr) {
+    if (out.residual != nullptr && !(Cfg::kStagedOperand && out.staged_operand)) {
       const int row = row0 + t / kThreadsPerResidualRow;
       const int col = col0 + (t % kThreadsPerResidualRow) * kResidualLinesPerThread * kLineElements;
       if (row < out.m && col < out.n) {
@@ -700,6 +701,74 @@ struct TmaStoreEpilogue {
       if constexpr (kAct != Activation::kNone) {  // kNone is refused by the host
         store_with_derivative_as<kAct>(acc, buffers, tmap_c, tmap_d, bias_smem, has_bias, warpgroup, row0, col0);
       }
+    });
+  }
+
+  // ---- The backward form's staged operand (config.cuh: kStagedOperand) ----
+  // This warpgroup's rows of z (or of the saved act'(z)) for the tile at (row0, col0),
+  // sub-tile s into buffer s, completing on `full`. The elected thread issues them once
+  // its previous tile's stores have read the buffers (it issued those too).
+  __device__ static void load_operand(Buffers& buffers, const CUtensorMap* tmap_z, uint64_t* full, int row0,
+                                      int col0) {
+    constexpr int kCols = Cfg::kStoreRowBytes / sizeof(typename Cfg::Element);
+    constexpr int kBatch = 0;  // the fused kinds compute one product
+    if (hopper::thread_in_warpgroup() != 0) return;
+    hopper::bulk_wait_group_read<0>();
+    // Boxes past M or N are zero-filled and still count their bytes.
+    hopper::mbarrier_arrive_expect_tx(full, Cfg::kOperandSubtiles * Cfg::kStoreBufferBytes);
+#pragma unroll
+    for (int s = 0; s < Cfg::kOperandSubtiles; ++s)
+      hopper::tma_load_3d(buffers[s], tmap_z, full, col0 + s * kCols, row0, kBatch);
+  }
+
+  // C = acc * act'(z) (or acc * the saved act'(z)) in place of the staged operand, one
+  // sub-tile at a time: each thread reads (ldmatrix) exactly the elements that it then
+  // overwrites (stmatrix at the same addresses), so no barrier parts the read from the
+  // write; each buffer then leaves by its own TMA store.
+  template <Activation kAct>
+  __device__ static void store_times_operand_as(const typename Direct::Acc& acc, Buffers& buffers,
+                                                const CUtensorMap* tmap_c, uint64_t* full, uint32_t phase,
+                                                int warpgroup, int row0, int col0) {
+    using Element = typename Cfg::Element;
+    using Ops = FusedOps<Cfg>;
+    constexpr int kCols = Cfg::kStoreRowBytes / sizeof(Element);
+    constexpr int kBatch = 0;
+    const uint32_t barrier = Cfg::kFirstEpilogueBarrier + warpgroup;
+    const bool elected = hopper::thread_in_warpgroup() == 0;
+    hopper::mbarrier_wait(full, phase);
+#pragma unroll
+    for (int s = 0; s < Cfg::kOperandSubtiles; ++s) {
+#pragma unroll
+      for (int p = 0; p < kPairSteps; ++p) {
+        const int j = s * 2 * kPairSteps + 2 * p;  // first accumulator column block of the pair
+        const uint32_t addr = hopper::smem_addr(buffers[s]) + stmatrix_offset(p);
+        const uint4 z4 = hopper::ldmatrix_x4(addr);
+        const uint32_t z[kMatrices] = {z4.x, z4.y, z4.z, z4.w};
+        uint32_t c[kMatrices];
+#pragma unroll
+        for (int q = 0; q < kMatrices; ++q) {  // matrix q holds accumulator pair 4j + 2q
+          const float2 zq = Ops::unpack(z[q]);
+          const int i = 4 * j + 2 * q;
+          c[q] = pack_pair<Element>(Ops::template times_derivative<kAct>(acc[i], zq.x),
+                                    Ops::template times_derivative<kAct>(acc[i + 1], zq.y));
+        }
+        hopper::stmatrix_x4(addr, c[0], c[1], c[2], c[3]);
+      }
+      hopper::fence_proxy_async_shared();
+      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
+      if (elected) {
+        hopper::tma_store_3d(tmap_c, buffers[s], col0 + s * kCols, row0, kBatch);
+        hopper::bulk_commit_group();
+      }
+    }
+  }
+
+  // `phase`: the parity of this warpgroup's staged tiles so far.
+  __device__ static void store_times_operand(const typename Direct::Acc& acc, Buffers& buffers,
+                                             const CUtensorMap* tmap_c, const OutputParams& out, uint64_t* full,
+                                             uint32_t phase, int warpgroup, int row0, int col0) {
+    with_activation(out.activation, [&](auto act) {
+      store_times_operand_as<decltype(act)::value>(acc, buffers, tmap_c, full, phase, warpgroup, row0, col0);
     });
   }
 

@@ -122,6 +122,9 @@ struct KernelChoice {
   KernelKind kind = KernelKind::kPersistent;
   int stages = 4;
 };
+// The backward form's ring depth (instances.def): its staged operand takes the shared
+// memory of a fourth stage (config.cuh: kStagedOperand).
+constexpr int kFusedGradStages = 3;
 
 struct Status {
   enum Code { kOk, kInvalidArgument, kInternal } code = kOk;

@@ -33,8 +33,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                 const __grid_constant__ CUtensorMap tmap_c, const OutputParams out, const WorkList work,
                 const SchedulerOf<Cfg> scheduler, const StreamKParams stream_k,
-                const __grid_constant__ CUtensorMap tmap_d) {  // the derivative kind's D (last: the
-                                                               // other parameters keep their offsets)
+                const __grid_constant__ CUtensorMap tmap_d) {  // the derivative kind's D, or the backward
+                                                               // form's staged operand (last: the other
+                                                               // parameters keep their offsets)
   using Main = Mainloop<Cfg>;
   extern __shared__ uint8_t smem_raw[];
   const uintptr_t base = reinterpret_cast<uintptr_t>(smem_raw);
@@ -45,7 +46,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if constexpr (Cfg::kPingpong)
       for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w)
         hopper::mbarrier_init(&smem.turns.turn[w], hopper::kWarpgroupSize);
-    pipe.init(Cfg::kStageReaders * Cfg::kClusterM);  // its fence covers the turn barriers too
+    if constexpr (Cfg::kStagedOperand)
+      for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) hopper::mbarrier_init(&smem.operand.full[w], 1);
+    pipe.init(Cfg::kStageReaders * Cfg::kClusterM);  // its fence covers the turn and operand barriers too
   }
   // Peers signal this CTA's barriers: they must all be initialised cluster-wide first.
   if constexpr (Cfg::kClusterM > 1) {
@@ -81,6 +84,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     WorkCursor<Cfg::kStreamK> cursor(work, cluster);
     int64_t unit_index = 0;  // this CTA's units so far (ping-pong: whose turn it is)
     int64_t own_units = 0;   // ping-pong: this warpgroup's units so far
+    uint32_t operand_phase = 0;  // staged operand: parity of this warpgroup's tiles so far
     // Ping-pong: the other warpgroup may start its next mainloop. Every thread arrives
     // (not one elected): a phase then also proves that each of this warpgroup's warps
     // passed its own turn wait, so no warp can fall two phases behind (K <= 64 or a
@@ -121,7 +125,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       uint32_t bias_pair = 0;
       if constexpr (Cfg::kFusedEpilogue) bias_pair = FusedOps<Cfg>::prefetch(out, row0, col0);
       typename Main::Acc acc;
-      Main::mma(pipe, smem, a_slice, k_tiles, acc, read, hand_over);
+      // The backward form's staged operand loads while the mainloop runs.
+      const auto load_operand = [&] {
+        if constexpr (Cfg::kStagedOperand)
+          if (out.staged_operand)
+            Epilogue::load_operand(smem.epilogue.buffers[warpgroup], &tmap_d, &smem.operand.full[warpgroup], row0,
+                                   col0);
+      };
+      Main::mma(pipe, smem, a_slice, k_tiles, acc, read, hand_over, load_operand);
       if constexpr (Cfg::kStreamK) {
         using Fixup = StreamKFixup<Cfg>;
         if (unit.role == UnitRole::kContributor) {
@@ -140,6 +151,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         Epilogue::store_with_derivative(acc, smem.epilogue.buffers[warpgroup], &tmap_c, &tmap_d, out,
                                         smem.fused.bias[warpgroup], warpgroup, row0, col0);
         continue;
+      }
+      if constexpr (Cfg::kStagedOperand) {
+        if (out.staged_operand) {
+          Epilogue::store_times_operand(acc, smem.epilogue.buffers[warpgroup], &tmap_c, out,
+                                        &smem.operand.full[warpgroup], operand_phase, warpgroup, row0, col0);
+          operand_phase ^= 1;
+          continue;
+        }
       }
       if constexpr (Cfg::kFusedEpilogue)
         FusedOps<Cfg>::apply(acc, out, row0, col0, bias_pair, smem.fused.bias[warpgroup],

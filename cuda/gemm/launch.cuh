@@ -49,28 +49,36 @@ Status encode_operand(CUtensorMap* map, const void* ptr, int64_t mn, int64_t k, 
   return hopper::encode_tensor_map_3d(map, d);
 }
 
-// Output tensor map for the TMA-store epilogue: boxes one 128-byte swizzle row wide by
-// one wgmma row block (64 rows). False (and no map) when C's layout is not one TMA can address
-// (16-byte aligned base and row/batch strides); the kernel then stores from registers.
-// `c` is C, or the derivative kind's D (C's shape and layout).
+// Tensor map of an output-shaped matrix (M x N, row length `ld`, `bytes` per element)
+// in the TMA-store epilogue's boxes: one 128-byte swizzle row wide by one wgmma row
+// block (64 rows). False (and no map) when its layout is not one TMA can address
+// (16-byte aligned base and row/batch strides).
 template <class Cfg>
-Status encode_output(CUtensorMap* map, const GemmArgs& args, void* c, bool* usable) {
-  const uint32_t c_bytes = args.c_f32 ? sizeof(float) : sizeof(typename Cfg::Element);
+Status encode_subtile_map(CUtensorMap* map, const GemmArgs& args, const void* base, int64_t ld,
+                          int64_t batch_stride, uint32_t bytes, bool* usable) {
   constexpr int64_t kAlign = 16;
-  *usable = Cfg::kTmaStoreEpilogue && reinterpret_cast<uintptr_t>(c) % kAlign == 0 &&
-            args.ldc * c_bytes % kAlign == 0 && (args.batch == 1 || args.batch_stride_c * c_bytes % kAlign == 0);
+  *usable = Cfg::kTmaStoreEpilogue && reinterpret_cast<uintptr_t>(base) % kAlign == 0 && ld * bytes % kAlign == 0 &&
+            (args.batch == 1 || batch_stride * bytes % kAlign == 0);
   if (!*usable) return Status::Ok();
   hopper::TensorMap3d d;
-  d.base = c;
+  d.base = base;
   d.inner = static_cast<uint64_t>(args.n);
   d.outer = static_cast<uint64_t>(args.m);
   d.batch = static_cast<uint64_t>(args.batch);
-  d.row_stride = static_cast<uint64_t>(args.ldc);
-  d.batch_stride = static_cast<uint64_t>(args.batch_stride_c);
-  d.box_inner = Cfg::kStoreRowBytes / c_bytes;
+  d.row_stride = static_cast<uint64_t>(ld);
+  d.batch_stride = static_cast<uint64_t>(batch_stride);
+  d.box_inner = Cfg::kStoreRowBytes / bytes;
   d.box_outer = Cfg::kStoreRows;
-  d.element_bytes = c_bytes;
+  d.element_bytes = bytes;
   return hopper::encode_tensor_map_3d(map, d);
+}
+
+// C's map (or the derivative kind's D: C's shape and layout); without one the kernel
+// stores from registers.
+template <class Cfg>
+Status encode_output(CUtensorMap* map, const GemmArgs& args, void* c, bool* usable) {
+  const uint32_t c_bytes = args.c_f32 ? sizeof(float) : sizeof(typename Cfg::Element);
+  return encode_subtile_map<Cfg>(map, args, c, args.ldc, args.batch_stride_c, c_bytes, usable);
 }
 
 // Per-device facts of one kernel, computed on its first launch on that device:
@@ -161,6 +169,17 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
     if (st.ok() && !(tma_store && d_tma_store)) st = Status::Invalid("the derivative kind needs TMA-storable C and D");
     if (!st.ok()) return st;
   }
+  // The backward form's operand, staged in the store buffers where TMA can load it and
+  // the result leaves by TMA store through the same buffers (16-bit C); else the
+  // epilogue reads it from global memory.
+  bool staged_operand = false;
+  if constexpr (Cfg::kStagedOperand) {
+    if (tma_store && !args.c_f32 && args.batch == 1) {
+      st = encode_subtile_map<Cfg>(&tmap_d, args, args.residual, args.ld_residual, 0,
+                                   sizeof(typename Cfg::Element), &staged_operand);
+      if (!st.ok()) return st;
+    }
+  }
 
   constexpr size_t kSmem = smem_bytes<Cfg>();
   static_assert(kSmem <= kMaxSmemPerBlock, "pipeline stages and epilogue buffers do not fit in shared memory");
@@ -178,7 +197,8 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
                              args.n % 2 == 0;
   const OutputParams out{args.c,        args.ldc,      args.batch_stride_c,   static_cast<int>(args.m),
                          static_cast<int>(args.n), args.c_f32, paired, tma_store, args.bias, args.residual,
-                         args.residual != nullptr ? args.ld_residual : 0, paired_inputs, args.activation};
+                         args.residual != nullptr ? args.ld_residual : 0, paired_inputs, args.activation,
+                         staged_operand};
   const SchedulerOf<Cfg> scheduler{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
                                    static_cast<int>(ceil_div(args.n, Cfg::kBlockN)), static_cast<int>(args.batch)};
   const int k_tiles = static_cast<int>(ceil_div(args.k, Cfg::kBlockK));

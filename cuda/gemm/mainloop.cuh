@@ -131,14 +131,19 @@ struct Mainloop {
   // default) the stage being read by the group still in flight is never released:
   // release trails read by exactly one stage. `issued()` runs once the last stage has
   // been waited for and its MMAs issued, before the tail retires them (ping-pong hands
-  // the tensor cores to the other warpgroup there).
+  // the tensor cores to the other warpgroup there). `started()` runs once the MMAs of K
+  // tile kStartedAfter (or of the last, if there are fewer) are issued: the tile is
+  // under way, and the previous tile's epilogue a K tile behind (the backward form
+  // loads its staged operand there).
   struct Nothing {
     __device__ void operator()() const {}
   };
-  template <class Issued = Nothing>
+  static constexpr int kStartedAfter = 1;
+  template <class Issued = Nothing, class Started = Nothing>
   __device__ static void mma(const Pipe& pipe, const Storage& smem, int a_slice, int k_tiles, Acc& acc,
-                             State& read, Issued issued = {}) {
+                             State& read, Issued issued = {}, Started started = {}) {
     const bool elected = hopper::thread_in_warpgroup() == 0;
+    const int started_after = k_tiles > kStartedAfter ? kStartedAfter : k_tiles - 1;
     State release = read;  // the stage whose MMA retires next
     for (int kt = 0; kt < k_tiles; ++kt) {
       pipe.consumer_wait(read);
@@ -150,6 +155,7 @@ struct Mainloop {
         if (elected) pipe.consumer_release(release);
         release.advance();
       }
+      if (kt == started_after) started();
       read.advance();
     }
     issued();

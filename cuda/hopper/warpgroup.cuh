@@ -50,4 +50,16 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_row_addr, uint32_t r0,
                : "memory");
 }
 
+// Its inverse: loads four 8x8 b16 matrices from the same addresses into the same
+// fragment registers, so a thread gets exactly the elements stmatrix_x4 would write
+// from its registers.
+__device__ __forceinline__ uint4 ldmatrix_x4(uint32_t smem_row_addr) {
+  uint4 r;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(smem_row_addr)
+               : "memory");
+  return r;
+}
+
 }  // namespace jax_hopper::hopper
