@@ -276,7 +276,7 @@ def case_label(r) -> str:
     return (f"{r['batch']}x" if r["batch"] else "") + shape + f" {r['layout'].upper()}"
 
 
-def print_table(rows, file=sys.stdout):
+def print_table(rows, file=None):
     head = (f"{'case (BxMxNxK layout)':>26} {'dtype':>5} {'variant':>16} {'kernel ms':>10} {'TF/s':>6} {'ratio':>6}"
             f" {'sust. TF/s':>10} {'ratio':>6} {'rel err':>9}  path")
     print(head, file=file)
@@ -486,7 +486,7 @@ def short_kernel_name(name: str) -> str:
     return f"jax_hopper gemm_kernel kind {kind.group(1)}" if kind else name[:72]
 
 
-def print_breakdown(step, breakdown, file=sys.stdout):
+def print_breakdown(step, breakdown, file=None):
     print(f"kernels of {step} (CUPTI, median per kernel):", file=file)
     for variant, kernels in breakdown.items():
         total = sum(ms for _, ms in kernels)

@@ -62,3 +62,15 @@ def test_breakdown_only_where_cupti_times_kernels(capsys, monkeypatch):
     # On a GPU each variant's kernels are listed; on CPU (wall clock) there is nothing to list.
     listed = "kernels of mlp train mlp op [gelu_tanh]" in capsys.readouterr().out
     assert listed == (jax.devices()[0].platform == "gpu")
+
+
+def test_tables_go_to_the_current_stdout(capsys):
+    # A default of sys.stdout bound at import time wrote past a later redirection (pytest's
+    # capsys): on the H200 the breakdown test above saw no listing for that reason.
+    bench.print_breakdown("step", {"jnp": [("kernel", 1.0)]})
+    bench.print_table([{"batch": 0, "m": 8, "n": 8, "k": 8, "layout": "nn", "dtype": "f16", "variant": "jnp",
+                        "kernel_ms": 1.0, "kernel_tflops": 1.0, "kernel_ratio_vs_jnp": 1.0, "sustained_ms": 1.0,
+                        "sustained_tflops": 1.0, "sustained_ratio_vs_jnp": 1.0, "rel_error": None, "path": None,
+                        "rule": None}])
+    out = capsys.readouterr().out
+    assert "kernels of step" in out and "jnp" in out and "kernel ms" in out
