@@ -245,11 +245,13 @@ def choose_dense(problem: Problem, activation: str | None, policy: str | None = 
 # The MLP's backward form (ops.mlp): dz1 = (dy w2^T) * act'(z1) in one launch of our
 # gradient kind (problem: dy w2^T, w2 read as stored [F, D]), against the product alone
 # (dispatched by the table) followed by XLA's elementwise pass. Measured on the H200
-# (BENCHMARKS.md, "the MLP's backward form"; 8192x4096x16384, kernel time against jnp's
-# two passes): tanh-GELU 0.93-0.94x, exact GELU 0.92-0.97x, SiLU 0.95x (f16, bf16), and
-# slower than our own plain kernel plus XLA's pass as well: act' runs in the epilogue
-# while the tensor cores wait, which costs more than XLA's memory-bound pass. ReLU ties
-# (1.01x kernel time, 0.99x sustained). So only policy "kernel" runs it.
+# (BENCHMARKS.md, sessions "the MLP's backward form" and 2026-12-01 03:36;
+# 8192x4096x16384): with z1 staged through shared memory (6054dfd) it beats jnp's two
+# passes alone (exact GELU 1.12-1.13x, the multiply by a saved act' 1.01-1.02x), but in
+# the training step the bias gradient db1 then costs a pass of its own (0.076 ms) that
+# XLA otherwise folds into its elementwise pass, and the step loses (f16, per kernel:
+# multiply form + db1 1.647 ms against 1.604; tanh-GELU 1.716 against 1.662). So only
+# policy "kernel" runs it.
 def choose_activation_grad(problem: Problem, activation: str | None, policy: str | None = None) -> tuple[str, str]:
     """(path, rule) for the MLP's backward form (problem: dy w2^T): "kernel" runs it;
     "xla" leaves the product to choose() and act' to XLA."""
