@@ -20,8 +20,9 @@ Every product goes through the dispatcher as in `dense`. The backward form runs 
 policy "kernel" only (_dispatch.choose_activation_grad): measured on the H200 it beats
 the product followed by XLA's elementwise pass on its own, but then the bias gradient
 db1 needs a pass of its own, which XLA folds into its elementwise pass, and the
-training step loses. Elsewhere dh is a product like any other and XLA applies act'. Without differentiation the block is the two fused `dense`
-calls (the activation then fused into the first one's epilogue, on the f32 sum).
+training step loses. Elsewhere dh is a product like any other and XLA applies act'.
+Without differentiation the block is the two fused `dense` calls (the activation then
+fused into the first one's epilogue, on the f32 sum).
 
 The saved-derivative form (exact GELU by default, where the dispatcher runs the
 derivative kind; _dispatch.saves_derivative):
