@@ -378,10 +378,12 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
     def plain(x, p):
         return act(x @ p[0] + p[1]) @ p[2] + p[3] + x
 
-    def train(block):
+    def train(block, with_dx=False):
         # 0.5 * sum(y^2): dy = y, unit scale (a mean would scale dy by 1/(tokens d_model),
-        # below the 16-bit range, and compare underflow with underflow).
-        return jax.grad(lambda x, p: 0.5 * jnp.sum(block(x, p).astype(jnp.float32) ** 2), argnums=1)
+        # below the 16-bit range, and compare underflow with underflow). with_dx: the
+        # input's gradient too, as a block inside a network needs (one more product).
+        return jax.grad(lambda x, p: 0.5 * jnp.sum(block(x, p).astype(jnp.float32) ** 2),
+                        argnums=(0, 1) if with_dx else 1)
 
     # step: ({variant: function}, first argument, products in the step). "jax_hopper" forces
     # our kernel on every product, the backward ones included (the policy is read while
@@ -395,6 +397,9 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
                    "jnp": train(plain)}, x, 5),  # + dW2, dh and dW1 (no gradient for x)
         "train mlp op": ({"jax_hopper": _kernel_forced(train(mlp_op)), "jax_hopper auto": _auto(train(mlp_op)),
                           "jnp": train(plain)}, x, 5),
+        # A block inside a network: + dx = dz1 W1^T, a sixth product in both.
+        "train mlp op with dx": ({"jax_hopper": _kernel_forced(train(mlp_op, True)),
+                                  "jax_hopper auto": _auto(train(mlp_op, True)), "jnp": train(plain, True)}, x, 6),
         # The saved-derivative form: the forward saves act'(z1) instead of z1 (the
         # derivative kind where the dispatcher picks it), the backward multiplies.
         "train mlp op saved act'": ({"jax_hopper": _saved_derivative(activation, _kernel_forced(train(mlp_op))),
