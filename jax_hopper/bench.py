@@ -454,7 +454,6 @@ def _policy(policy, f):
     return run
 
 
-
 def _saved_derivative(activation, f):
     def run(*args):
         with _dispatch.saved_derivative({activation}):  # read while jit traces
