@@ -257,8 +257,8 @@ def choose_activation_grad(problem: Problem, activation: str | None, policy: str
     "xla" leaves the product to choose() and act' to XLA."""
     del activation
     policy = current_policy() if policy is None else policy
-    if problem.n % 2:  # the kernel reads z1 in pairs
-        return "xla", "odd-hidden-width"
+    if problem.n % TMA_WIDTH_MULTIPLE:
+        return "xla", "hidden-width-not-multiple-of-8"
     if policy == "kernel":
         return _runnable("kernel", "policy=kernel")
     return "xla", "backward-form-slower"
@@ -309,8 +309,9 @@ def saved_derivative(activations):
         _saved_derivative_override.pop()
 
 
-# The derivative kind writes act'(z) by TMA only: rows of a multiple of 8 elements.
-DERIVATIVE_WIDTH_MULTIPLE = 8
+# The derivative kind writes act'(z), and the backward form reads z (or the saved act')
+# and writes dz, by TMA only: rows of a multiple of 8 elements.
+TMA_WIDTH_MULTIPLE = 8
 
 
 def choose_dense_with_derivative(problem: Problem, activation: str | None,
@@ -319,7 +320,7 @@ def choose_dense_with_derivative(problem: Problem, activation: str | None,
     with z1 = x w1 + b1 (problem: x w1): "kernel" is one launch of the derivative kind;
     "xla" is the layer (ops.dense's pick) followed by XLA's pass computing both."""
     policy = current_policy() if policy is None else policy
-    if problem.n % DERIVATIVE_WIDTH_MULTIPLE:
+    if problem.n % TMA_WIDTH_MULTIPLE:
         return "xla", "derivative-width-not-multiple-of-8"
     if policy == "kernel" or (policy == "auto" and fused_activation_wins(problem, activation)):
         return _runnable("kernel", "policy=kernel" if policy == "kernel" else "fused-activation")

@@ -18,7 +18,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_hopper import _ffi
-from jax_hopper._dispatch import DERIVATIVE_WIDTH_MULTIPLE
+from jax_hopper._dispatch import TMA_WIDTH_MULTIPLE
 from jax_hopper._fallback import (
     ACTIVATION_FNS,
     activation_grad_reference,
@@ -116,8 +116,9 @@ def fused_dense(x, w, bias=None, residual=None, *, activation=None):
 # pre-activation (or, with activation None, the act'(z1) the forward saved: the
 # saved-derivative form, a multiply). The kernel multiplies the f32 product by act'(z) in its epilogue and
 # rounds once (cuBLASLt's DGELU epilogue; XLA runs the product and then a separate
-# elementwise pass). N must be even (z is read two elements at a time): the FFI handler
-# refuses odd N, and the lowering computes those through XLA. Programs spanning several
+# elementwise pass). N must be a multiple of 8 (z is TMA-loaded and the result
+# TMA-stored): the FFI handler refuses other widths, and the lowering computes those
+# through XLA with the same arithmetic. Programs spanning several
 # devices lower to XLA's computation, which XLA partitions (there are no partitioning
 # rules for this primitive). Its derivatives (a second-order gradient) are XLA's.
 dense_grad_p = Primitive("jax_hopper_dense_activation_grad")
@@ -144,7 +145,7 @@ def _grad_cuda_impl(g, w, z, *, activation):
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
         return _grad_default_impl(g, w, z, activation=activation)
-    if z.shape[-1] % 2:  # the kernel reads z in pairs (see above)
+    if z.shape[-1] % TMA_WIDTH_MULTIPLE:  # z and the result go through TMA (see above)
         return _grad_default_impl(g, w, z, activation=activation)
     g, w = _pad_for_tma(g, w, False, True)
     call = jax.ffi.ffi_call(_ffi.GEMM_FUSED_TARGET, jax.ShapeDtypeStruct(z.shape, z.dtype))
@@ -200,7 +201,7 @@ def _derivative_cuda_impl(x, w, bias, *, activation, has_bias):
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
         return _derivative_default_impl(x, w, bias, activation=activation, has_bias=has_bias)
-    if w.shape[1] % DERIVATIVE_WIDTH_MULTIPLE:
+    if w.shape[1] % TMA_WIDTH_MULTIPLE:
         return _derivative_default_impl(x, w, bias, activation=activation, has_bias=has_bias)
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[1],), x.dtype)
     x, w = _pad_for_tma(x, w, False, False)

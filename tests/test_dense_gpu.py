@@ -67,7 +67,7 @@ FUSED_MISUSE = [  # (bias shape, residual shape, c shape, attributes, message)
     ((0,), (0,), (64, 64), {"activation": 9}, "unknown activation"),
     ((0,), (0,), (2, 64, 64), {}, "rank"),
     # The backward form (activation_grad = 1) needs z or a saved derivative (the residual
-    # slot), no bias, and an even N.
+    # slot), no bias, and N a multiple of 8.
     ((0,), (0,), (64, 64), {"activation": 2, "activation_grad": 1}, "needs the pre-activation"),
     ((64,), (64, 64), (64, 64), {"activation": 2, "activation_grad": 1}, "needs the pre-activation"),
     ((0,), (0,), (64, 64), {"activation_grad": 2}, "activation_grad must be"),
@@ -90,14 +90,16 @@ def test_fused_handler_rejects_inconsistent_calls(hopper, bias_shape, res_shape,
         jax.block_until_ready(jax.jit(lambda *a: call(*a, **params))(*operands))
 
 
-def test_backward_form_handler_refuses_an_odd_width(hopper):
-    """The backward form reads z in pairs: called directly with an odd N (w [N, K] read
-    K-major, as jax_hopper.mlp passes it), the handler refuses instead of reading past z."""
+@pytest.mark.parametrize("n", [63, 62])
+def test_backward_form_handler_refuses_a_width_off_the_tma_multiple(hopper, n):
+    """The backward form TMA-loads z and TMA-stores C: called directly with N not a
+    multiple of 8 (w [N, K] read K-major, as jax_hopper.mlp passes it), the handler
+    refuses instead of running on a tensor map it cannot have."""
     import numpy as np
 
     params = {"transpose_a": np.int32(0), "transpose_b": np.int32(1), "activation": np.int32(2),
               "activation_grad": np.int32(1)}
-    call = jax.ffi.ffi_call("jax_hopper_gemm_fused", jax.ShapeDtypeStruct((64, 63), F16))
-    operands = [jnp.ones((64, 32), F16), jnp.ones((63, 32), F16), jnp.ones((0,), F16), jnp.ones((64, 63), F16)]
-    with pytest.raises(Exception, match="even N"):
+    call = jax.ffi.ffi_call("jax_hopper_gemm_fused", jax.ShapeDtypeStruct((64, n), F16))
+    operands = [jnp.ones((64, 32), F16), jnp.ones((n, 32), F16), jnp.ones((0,), F16), jnp.ones((64, n), F16)]
+    with pytest.raises(Exception, match="a multiple of 8"):
         jax.block_until_ready(jax.jit(lambda *a: call(*a, **params))(*operands))

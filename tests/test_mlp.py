@@ -91,7 +91,8 @@ def test_gradients(activation, dtype, policy):
 @pytest.mark.parametrize("f", [72, 36], ids=["F72", "F36"])
 def test_gradients_with_the_saved_derivative(activation, policy, f):
     """The saved-derivative form (act'(z1) kept instead of z1; the backward multiplies).
-    F = 36 is not a multiple of 8: the forward computes act and act' through XLA."""
+    F = 36 is not a multiple of 8: act and act' come from XLA's pass, and the backward
+    multiplies in XLA after the product (both kernels need TMA-addressable rows)."""
     operands = block_operands((2, 40), 24, f, jnp.bfloat16, seed=13)
     with jax_hopper.dispatch(policy), _dispatch.saved_derivative({activation}):
         mine = grads(ours(activation), operands)
@@ -101,10 +102,13 @@ def test_gradients_with_the_saved_derivative(activation, policy, f):
     if policy == "kernel":
         # forward: act and act' of x w1 + b1 (derivative kind, F72) or the fused x w1 + b1
         # and XLA's pass (F36), then h w2 + b2 + x fused; backward: the multiply form
-        # (activation 0), h^T dy, x^T dz1, dz1 w1^T.
+        # (activation 0; F36: the product dy w2^T and XLA's multiply), h^T dy, x^T dz1,
+        # dz1 w1^T.
         forward = ["jax_hopper_gemm_fused_derivative"] if f % 8 == 0 else ["jax_hopper_gemm_fused"]
-        assert calls == sorted(["jax_hopper_gemm"] * 3 + ["jax_hopper_gemm_fused"] * 2 + forward), calls
-        assert re.search(r"activation = 0 : i32, activation_grad = 1 ", text), "no multiply-form call"
+        dz1 = ["jax_hopper_gemm_fused"] if f % 8 == 0 else ["jax_hopper_gemm"]
+        assert calls == sorted(["jax_hopper_gemm"] * 3 + ["jax_hopper_gemm_fused"] + forward + dz1), calls
+        if f % 8 == 0:
+            assert re.search(r"activation = 0 : i32, activation_grad = 1 ", text), "no multiply-form call"
     else:  # shapes this small stay on XLA
         assert "jax_hopper_gemm_fused_derivative" not in text
 
@@ -269,10 +273,12 @@ def test_auto_policy_keeps_the_backward_form_off():
     assert "activation_grad = 1 " not in text
 
 
-def test_odd_hidden_width_takes_xla_for_the_backward_form():
-    problem = _dispatch.problem_of((256, 128), (513, 128), jnp.float16, jnp.float16, False, True)
-    assert _dispatch.choose_activation_grad(problem, "silu", "kernel") == ("xla", "odd-hidden-width")
-    operands = block_operands((64,), 16, 33, jnp.float16)
+@pytest.mark.parametrize("width", [33, 34])
+def test_hidden_width_off_the_tma_multiple_takes_xla_for_the_backward_form(width):
+    # The backward form TMA-loads z1 and TMA-stores dz1: rows of a multiple of 8 elements.
+    problem = _dispatch.problem_of((256, 128), (width, 128), jnp.float16, jnp.float16, False, True)
+    assert _dispatch.choose_activation_grad(problem, "silu", "kernel") == ("xla", "hidden-width-not-multiple-of-8")
+    operands = block_operands((64,), 16, width, jnp.float16)
     assert "activation_grad = 1 " not in gradient_program("silu", operands, "kernel")
     with jax_hopper.dispatch("kernel"):
         mine = grads(ours("silu"), operands)

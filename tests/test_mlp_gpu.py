@@ -27,7 +27,7 @@ SHAPES = [  # (M, N, K): g [M, K], w [N, K], z [M, N]
     (4096, 4096, 4096),
     (1000, 600, 520),  # partial tiles in M and N, K not a multiple of 64
     (129, 264, 72),  # one row past a tile
-    (100, 102, 103),  # odd K: g and w padded for TMA; N not a multiple of 8: registers store
+    (100, 102, 103),  # odd K: g and w padded for TMA; N not a multiple of 8: through XLA
 ]
 
 
@@ -141,7 +141,7 @@ def test_block_gradients_with_the_saved_derivative_on_the_kernel(hopper, dtype, 
 
 
 def test_backward_form_with_leading_dims_and_odd_width(hopper):
-    """Leading dims fold into M; an odd N (z read in pairs) is computed through XLA."""
+    """Leading dims fold into M; an N off the TMA multiple of 8 is computed through XLA."""
     for n in (264, 101):
         g, w, z = _operands((3, 70), n, 136, jnp.bfloat16, seed=n)
         out = jax.jit(lambda g, w, z: fused_activation_grad(g, w, z, activation="gelu_exact"))(g, w, z)

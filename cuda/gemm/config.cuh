@@ -123,6 +123,7 @@ struct GemmConfig {
   // then writes the result in its place) and stores it. Loaded by the epilogue itself
   // instead, a chunk of registers at a time, the operand's L2 round trips were on every
   // tile's critical path (BENCHMARKS.md). Its 64 KB take the place of a fourth stage.
+  // The kind has no other path: the host requires z and C that TMA can address.
   static constexpr bool kStagedOperand = kActivationGrad;
   static constexpr int kOperandSubtiles = kBlockN * static_cast<int>(sizeof(Element)) / kStoreRowBytes;  // 4
   static constexpr int kMaxStoreBuffers = kStagedOperand ? kOperandSubtiles : 2;  // two already hide a store

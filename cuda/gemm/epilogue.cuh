@@ -33,7 +33,6 @@ struct OutputParams {
   int64_t ld_residual;
   bool paired_inputs;  // bias, residual, ld_residual and n allow two-element loads
   Activation activation;
-  bool staged_operand;  // the backward form's z is TMA-loaded into the store buffers (config.cuh)
 };
 
 // Two adjacent columns as one store.
@@ -225,9 +224,10 @@ __device__ __forceinline__ void with_activation(Activation a, F&& f) {
 
 // The fused epilogue's arithmetic, on the f32 accumulator before any rounding:
 // acc = act(acc + bias[col]) + residual[row][col] (cuBLASLt's bias/activation epilogues
-// plus a residual add), or in the backward form acc = acc * act'(z[row][col]) with the
-// forward's pre-activation z read where the residual would be (cuBLASLt's DGELU).
-// One loop per activation and form, so the choice is not re-made per element.
+// plus a residual add); for the backward form, acc * act'(z[row][col]) with the
+// forward's pre-activation z staged where the output goes (cuBLASLt's DGELU;
+// TmaStoreEpilogue::store_times_operand). One loop per activation, so the choice is not
+// re-made per element.
 // The activations run on both consumer warpgroups at once while the tensor cores idle,
 // so they use the SFU's ex2/rcp approximations where the answer stays far below 16-bit
 // rounding: 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)) exactly, and ex2.approx / rcp.approx
@@ -341,7 +341,7 @@ struct FusedOps {
 
   __device__ static uint32_t prefetch(const OutputParams& out, int row0, int col0) {
     const int t = hopper::thread_in_warpgroup();
-    if (out.residual != nullptr && !(Cfg::kStagedOperand && out.staged_operand)) {
+    if (out.residual != nullptr) {
       const int row = row0 + t / kThreadsPerResidualRow;
       const int col = col0 + (t % kThreadsPerResidualRow) * kResidualLinesPerThread * kLineElements;
       if (row < out.m && col < out.n) {
@@ -390,7 +390,7 @@ struct FusedOps {
   // with has_bias) holds the tile's bias pairs, 0 past n. The residual is read a chunk
   // of column blocks at a time, every load of the chunk issued before its first use.
   static constexpr int kResidualChunk = 4;  // column blocks: 8 loads (8 registers) in flight
-  template <Activation kAct, bool kGrad, bool kPaired>
+  template <Activation kAct, bool kPaired>
   __device__ static void apply_as(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
                                   const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias) {
     static_assert(Direct::kColBlocks % kResidualChunk == 0, "whole chunks of column blocks");
@@ -409,66 +409,39 @@ struct FusedOps {
       // Never loaded from unless row_ok (an absent residual has ld_residual 0: null + 0).
       rows[half] = residual + static_cast<int64_t>(row) * out.ld_residual;
     }
-    // The backward form needs z at the start of each element's arithmetic, so its loads
-    // run one chunk ahead of their use (the forward form adds the residual last).
-    constexpr int kChunksAhead = kGrad ? 1 : 0;
-    uint32_t chunks[kChunksAhead + 1][kResidualChunk][2];
-    const auto load_chunk = [&](uint32_t (&res)[kResidualChunk][2], int j0) {
+#pragma unroll
+    for (int j0 = 0; j0 < Direct::kColBlocks; j0 += kResidualChunk) {
+      uint32_t res[kResidualChunk][2];
 #pragma unroll
       for (int i = 0; i < kResidualChunk; ++i)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
           res[i][half] = load_raw<kPaired>(rows[half], row_ok[half], c + (j0 + i) * Direct::kColsPerBlock, out.n);
-    };
-    if constexpr (kChunksAhead > 0) load_chunk(chunks[0], 0);
-#pragma unroll
-    for (int j0 = 0; j0 < Direct::kColBlocks; j0 += kResidualChunk) {
-      const int slot = (j0 / kResidualChunk) % (kChunksAhead + 1);
-      if constexpr (kChunksAhead > 0) {
-        if (j0 + kResidualChunk < Direct::kColBlocks) load_chunk(chunks[(slot + 1) % 2], j0 + kResidualChunk);
-      } else {
-        load_chunk(chunks[slot], j0);
-      }
-      const uint32_t (&res)[kResidualChunk][2] = chunks[slot];
 #pragma unroll
       for (int i = 0; i < kResidualChunk; ++i) {
         const int j = j0 + i;
         const float2 b = bias_of_block(bias_smem, has_bias, j);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const float2 loaded = unpack(res[i][half]);  // the residual, or z in the backward form
+          const float2 loaded = unpack(res[i][half]);
           float& v0 = acc[4 * j + 2 * half];
           float& v1 = acc[4 * j + 2 * half + 1];
-          if constexpr (kGrad) {
-            v0 = times_derivative<kAct>(v0, loaded.x);
-            v1 = times_derivative<kAct>(v1, loaded.y);
-          } else {
-            v0 = activate<kAct>(v0 + b.x) + loaded.x;
-            v1 = activate<kAct>(v1 + b.y) + loaded.y;
-          }
+          v0 = activate<kAct>(v0 + b.x) + loaded.x;
+          v1 = activate<kAct>(v1 + b.y) + loaded.y;
         }
       }
     }
   }
 
-  template <Activation kAct, bool kGrad>
-  __device__ static void apply_as(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
-                                  const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias) {
-    // The backward form reads paired elements only (the host refuses it otherwise): the
-    // single-element reads' extra registers would spill next to its arithmetic.
-    if (kGrad || out.paired_inputs) {
-      apply_as<kAct, kGrad, true>(acc, out, row0, col0, bias_smem, has_bias);
-    } else {
-      apply_as<kAct, false, false>(acc, out, row0, col0, bias_smem, has_bias);
-    }
-  }
-
-  template <bool kGrad>
   __device__ static void apply_form(float (&acc)[Cfg::kAccumulators], const OutputParams& out, int row0, int col0,
                                     const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias) {
-    // kNone: no activation; in the backward form, times a saved act'(z) (times_derivative).
     with_activation(out.activation, [&](auto act) {
-      apply_as<decltype(act)::value, kGrad>(acc, out, row0, col0, bias_smem, has_bias);
+      constexpr Activation kAct = decltype(act)::value;
+      if (out.paired_inputs) {
+        apply_as<kAct, true>(acc, out, row0, col0, bias_smem, has_bias);
+      } else {
+        apply_as<kAct, false>(acc, out, row0, col0, bias_smem, has_bias);
+      }
     });
   }
 
@@ -491,7 +464,7 @@ struct FusedOps {
       bias_smem[hopper::thread_in_warpgroup()] = bias_pair;
       hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
     }
-    apply_form<Cfg::kActivationGrad>(acc, out, row0, col0, bias_smem, has_bias);
+    apply_form(acc, out, row0, col0, bias_smem, has_bias);
   }
 
   // Bias pair of the thread's accumulator column block j (its columns

@@ -147,14 +147,15 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
     if (args.k == 0) return Status::Invalid("the fused kernel needs K > 0 (its epilogue is not a zero fill)");
     if (args.residual != nullptr && args.ld_residual < args.n)
       return Status::Invalid("residual row length is shorter than N");
-    // Even lengths and a 4-byte aligned z: the backward form reads z two elements at a
-    // time (FusedOps::apply_as).
-    constexpr uintptr_t kPairBytes = 4;
-    if (args.activation_grad && (args.residual == nullptr || args.bias != nullptr || args.n % 2 != 0 ||
-                                 args.ld_residual % 2 != 0 ||
-                                 reinterpret_cast<uintptr_t>(args.residual) % kPairBytes != 0))
+    // The backward form TMA-loads z (or the saved derivative) and TMA-stores C through the
+    // same shared-memory sub-tiles (config.cuh: kStagedOperand).
+    constexpr uintptr_t kTmaAlign = 16;
+    if (args.activation_grad &&
+        (args.residual == nullptr || args.bias != nullptr || args.ld_residual % kTmaRowMultiple != 0 ||
+         args.ldc % kTmaRowMultiple != 0 || reinterpret_cast<uintptr_t>(args.residual) % kTmaAlign != 0 ||
+         reinterpret_cast<uintptr_t>(args.c) % kTmaAlign != 0))
       return Status::Invalid("an activation gradient needs the pre-activation or the saved derivative (residual), "
-                             "4-byte aligned, with even N and row length, and no bias");
+                             "no bias, and 16-byte aligned C and residual with row lengths a multiple of 8");
   }
   if (args.k == 0) {  // empty sums: C = 0
     for (int64_t b = 0; b < args.batch; ++b) {

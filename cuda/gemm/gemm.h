@@ -54,7 +54,8 @@ struct GemmArgs {
   // pre-activation z and A*B the cotangent of act(z) (a backward pass's dh = dy W2^T
   // times gelu'(z1): cuBLASLt's DGELU epilogue). With Activation::kNone the residual
   // holds act'(z) itself (saved by the forward pass): C = (A*B) * residual. Needs a
-  // residual with an even row length, an even N, and no bias.
+  // residual, no bias, and C and residual that TMA can address (16-byte aligned, row
+  // lengths a multiple of 8).
   // With derivative (KernelKind::kPersistentFusedDerivative only): C = act(A*B + bias)
   // and D = act'(A*B + bias), D in C's shape and layout, for a backward pass to multiply
   // by instead of recomputing act' from the pre-activation. Needs an activation, no

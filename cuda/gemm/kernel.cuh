@@ -61,9 +61,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int64_t cluster = blockIdx.x / Cfg::kClusterM;  // V5: one tile per CTA, one unit
   // A warp-uniform index puts the consumers' wgmma descriptors in uniform registers:
   // 88 -> 48 instructions per warp per K tile, +1-3% kernel time (BENCHMARKS.md). The
-  // fused kind's epilogue (32 bytes) and the kPersistentTma ablation's (16) would then
-  // spill, so those two keep the plain index.
-  constexpr bool kPlainIndex = Cfg::kFusedEpilogue || Cfg::kKind == KernelKind::kPersistentTma;
+  // forward fused kind's epilogue (32 bytes) and the kPersistentTma ablation's (16)
+  // would then spill, so those two keep the plain index; the derivative and backward
+  // forms fit (the backward form since it lost its unstaged path).
+  constexpr bool kPlainIndex = Cfg::kKind == KernelKind::kPersistentFused || Cfg::kKind == KernelKind::kPersistentTma;
   const int warpgroup = kPlainIndex ? hopper::warpgroup_index() : hopper::warpgroup_index_uniform();
   if (warpgroup == Cfg::kConsumerWarpgroups) {
     if constexpr (Cfg::kProducerWarpgroup) hopper::setmaxnreg_dec<Cfg::kProducerRegisters>();
@@ -123,14 +124,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         continue;
       }
       uint32_t bias_pair = 0;
-      if constexpr (Cfg::kFusedEpilogue) bias_pair = FusedOps<Cfg>::prefetch(out, row0, col0);
+      if constexpr (Cfg::kFusedEpilogue && !Cfg::kStagedOperand)
+        bias_pair = FusedOps<Cfg>::prefetch(out, row0, col0);
       typename Main::Acc acc;
       // The backward form's staged operand loads while the mainloop runs.
       const auto load_operand = [&] {
         if constexpr (Cfg::kStagedOperand)
-          if (out.staged_operand)
-            Epilogue::load_operand(smem.epilogue.buffers[warpgroup], &tmap_d, &smem.operand.full[warpgroup], row0,
-                                   col0);
+          Epilogue::load_operand(smem.epilogue.buffers[warpgroup], &tmap_d, &smem.operand.full[warpgroup], row0,
+                                 col0);
       };
       Main::mma(pipe, smem, a_slice, k_tiles, acc, read, hand_over, load_operand);
       if constexpr (Cfg::kStreamK) {
@@ -152,25 +153,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                         smem.fused.bias[warpgroup], warpgroup, row0, col0);
         continue;
       }
-      if constexpr (Cfg::kStagedOperand) {
-        if (out.staged_operand) {
-          Epilogue::store_times_operand(acc, smem.epilogue.buffers[warpgroup], &tmap_c, out,
-                                        &smem.operand.full[warpgroup], operand_phase, warpgroup, row0, col0);
-          operand_phase ^= 1;
-          continue;
-        }
-      }
-      if constexpr (Cfg::kFusedEpilogue)
-        FusedOps<Cfg>::apply(acc, out, row0, col0, bias_pair, smem.fused.bias[warpgroup],
-                             Cfg::kFirstEpilogueBarrier + warpgroup);
+      if constexpr (Cfg::kStagedOperand) {  // the backward form, in place of its staged operand
+        Epilogue::store_times_operand(acc, smem.epilogue.buffers[warpgroup], &tmap_c, out,
+                                      &smem.operand.full[warpgroup], operand_phase, warpgroup, row0, col0);
+        operand_phase ^= 1;
+      } else {
+        if constexpr (Cfg::kFusedEpilogue)
+          FusedOps<Cfg>::apply(acc, out, row0, col0, bias_pair, smem.fused.bias[warpgroup],
+                               Cfg::kFirstEpilogueBarrier + warpgroup);
 #pragma unroll
-      for (int mb = 0; mb < Cfg::kMmaBlocksM; ++mb) {  // one 64-row block at a time
-        const int block_row0 = row0 + mb * Cfg::kMmaM;
-        if constexpr (Cfg::kTmaStoreEpilogue) {
-          Epilogue::store(Main::block(acc, mb), smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup,
-                          tile.batch, block_row0, col0);
-        } else {
-          Epilogue::store(Main::block(acc, mb), out, tile.batch, block_row0, col0);
+        for (int mb = 0; mb < Cfg::kMmaBlocksM; ++mb) {  // one 64-row block at a time
+          const int block_row0 = row0 + mb * Cfg::kMmaM;
+          if constexpr (Cfg::kTmaStoreEpilogue) {
+            Epilogue::store(Main::block(acc, mb), smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup,
+                            tile.batch, block_row0, col0);
+          } else {
+            Epilogue::store(Main::block(acc, mb), out, tile.batch, block_row0, col0);
+          }
         }
       }
     }

@@ -169,16 +169,14 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
     if (st.ok() && !(tma_store && d_tma_store)) st = Status::Invalid("the derivative kind needs TMA-storable C and D");
     if (!st.ok()) return st;
   }
-  // The backward form's operand, staged in the store buffers where TMA can load it and
-  // the result leaves by TMA store through the same buffers (16-bit C); else the
-  // epilogue reads it from global memory.
-  bool staged_operand = false;
+  // The backward form's operand, staged in the store buffers by TMA; the result leaves
+  // by TMA store through the same buffers (gemm.cc checked that both can).
   if constexpr (Cfg::kStagedOperand) {
-    if (tma_store && !args.c_f32 && args.batch == 1) {
-      st = encode_subtile_map<Cfg>(&tmap_d, args, args.residual, args.ld_residual, 0,
-                                   sizeof(typename Cfg::Element), &staged_operand);
-      if (!st.ok()) return st;
-    }
+    bool staged = false;
+    st = encode_subtile_map<Cfg>(&tmap_d, args, args.residual, args.ld_residual, 0, sizeof(typename Cfg::Element),
+                                 &staged);
+    if (st.ok() && !(tma_store && staged)) st = Status::Invalid("the backward form needs TMA-addressable C and z");
+    if (!st.ok()) return st;
   }
 
   constexpr size_t kSmem = smem_bytes<Cfg>();
@@ -197,8 +195,7 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
                              args.n % 2 == 0;
   const OutputParams out{args.c,        args.ldc,      args.batch_stride_c,   static_cast<int>(args.m),
                          static_cast<int>(args.n), args.c_f32, paired, tma_store, args.bias, args.residual,
-                         args.residual != nullptr ? args.ld_residual : 0, paired_inputs, args.activation,
-                         staged_operand};
+                         args.residual != nullptr ? args.ld_residual : 0, paired_inputs, args.activation};
   const SchedulerOf<Cfg> scheduler{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
                                    static_cast<int>(ceil_div(args.n, Cfg::kBlockN)), static_cast<int>(args.batch)};
   const int k_tiles = static_cast<int>(ceil_div(args.k, Cfg::kBlockK));
