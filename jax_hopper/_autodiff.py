@@ -32,7 +32,7 @@ from jax.interpreters import ad
 from jax_hopper import _dispatch
 from jax_hopper._fallback import (
     ACTIVATION_FNS,
-    activation_grad_reference,
+    activation_grad_with_bias_grad_reference,
     activation_with_derivative,
     dense_like_jnp,
     dense_with_derivative_reference,
@@ -244,13 +244,17 @@ ad.primitive_jvps[dense_p] = _dense_jvp
 
 
 # ---- the backward form (differentiated again: second-order gradients of jax_hopper.mlp)
-# dz = (g w^T) * act'(z) keeps the kernel's value; its tangent is that of the f32
-# reference arithmetic (act'' by jax), in the operands' type.
-def _dense_grad_jvp(primals, tangents, *, activation):
-    y = dense_grad_p.bind(*primals, activation=activation)
+# dz = (g w^T) * act'(z) (and its bias gradient) keep the kernel's values; their tangents
+# are those of the f32 reference arithmetic (act'' by jax), in the operands' type.
+def _dense_grad_jvp(primals, tangents, *, activation, bias_grad):
+    outs = dense_grad_p.bind(*primals, activation=activation, bias_grad=bias_grad)
     tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    _, dy = jax.jvp(lambda g, w, z: activation_grad_reference(g, w, z, activation=activation), primals, tangents)
-    return y, dy
+
+    def reference(g, w, z):
+        return activation_grad_with_bias_grad_reference(g, w, z, activation=activation, bias_grad=bias_grad)
+
+    _, douts = jax.jvp(reference, primals, tangents)
+    return outs, list(douts)
 
 
 ad.primitive_jvps[dense_grad_p] = _dense_grad_jvp

@@ -19,7 +19,11 @@ import jax.numpy as jnp
 from jax.interpreters import batching
 
 from jax_hopper import _dispatch
-from jax_hopper._fallback import activation_grad_reference, dense_reference, dense_with_derivative_reference
+from jax_hopper._fallback import (
+    activation_grad_with_bias_grad_reference,
+    dense_reference,
+    dense_with_derivative_reference,
+)
 from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p
 from jax_hopper._primitive import SMALL_M_KERNEL, gemm_p, stages_of
 from jax_hopper._sharding import merge_drops_explicit_sharding
@@ -102,18 +106,25 @@ def _dense_batch_rule(args, dims, *, activation, has_bias, has_residual):
 batching.primitive_batchers[dense_p] = _dense_batch_rule
 
 
-def _dense_grad_batch_rule(args, dims, *, activation):
+def _dense_grad_batch_rule(args, dims, *, activation, bias_grad):
     """vmap over the backward form: a vmapped g and z against a shared w join their
-    leading dims (one launch); per-example weights take the reference arithmetic."""
+    leading dims (one launch; the bias gradient, per example, is then XLA's f32 sum of
+    the rounded dz); per-example weights take the reference arithmetic."""
     g, w, z = args
     dg, dw, dz = dims
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
     if dw is NOT_MAPPED:
-        return dense_grad_p.bind(_to_front(g, dg, size), w, _to_front(z, dz, size), activation=activation), 0
-    def reference(g, w, z):
-        return activation_grad_reference(g, w, z, activation=activation)
+        out, _ = dense_grad_p.bind(_to_front(g, dg, size), w, _to_front(z, dz, size), activation=activation,
+                                   bias_grad=False)
+        if not bias_grad:
+            return [out, jnp.zeros((size, 0), out.dtype)], [0, 0]
+        db = jnp.sum(out, axis=tuple(range(1, out.ndim - 1)), dtype=jnp.float32).astype(out.dtype)
+        return [out, db], [0, 0]
 
-    return jax.vmap(reference)(*[_to_front(a, d, size) for a, d in zip(args, dims)]), 0
+    def reference(g, w, z):
+        return activation_grad_with_bias_grad_reference(g, w, z, activation=activation, bias_grad=bias_grad)
+
+    return list(jax.vmap(reference)(*[_to_front(a, d, size) for a, d in zip(args, dims)])), [0, 0]
 
 
 batching.primitive_batchers[dense_grad_p] = _dense_grad_batch_rule

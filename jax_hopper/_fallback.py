@@ -62,13 +62,27 @@ def activation_derivative(z, activation):
     return jax.jvp(ACTIVATION_FNS[activation], (z,), (jnp.ones_like(z),))[1]
 
 
+def _activation_grad_f32(g, w, z, activation):
+    """(g @ w^T) * act'(z) in f32: the f32 product times act'(z) of the f32 z."""
+    dh = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    z = z.astype(jnp.float32)
+    return dh * (z if activation is None else activation_derivative(z, activation))
+
+
 def activation_grad_reference(g, w, z, *, activation):
     """(g @ w^T) * act'(z) with the backward-form kernel's arithmetic: g [..., M, K], w
     [N, K], z [..., M, N]; the f32 product times act'(z) in f32, one rounding to g's type.
     activation None: z is act'(z1) itself (the saved-derivative form), a multiply."""
-    dh = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    z = z.astype(jnp.float32)
-    return (dh * (z if activation is None else activation_derivative(z, activation))).astype(g.dtype)
+    return _activation_grad_f32(g, w, z, activation).astype(g.dtype)
+
+
+def activation_grad_with_bias_grad_reference(g, w, z, *, activation, bias_grad):
+    """(dz, db) as the backward-form kernel computes them: dz as activation_grad_reference;
+    db (with bias_grad, else empty) the f32 dz before its rounding, summed over every dim
+    but the last in f32, rounded once to g's type."""
+    dz = _activation_grad_f32(g, w, z, activation)
+    db = jnp.sum(dz, axis=tuple(range(dz.ndim - 1))) if bias_grad else jnp.zeros((0,), dz.dtype)
+    return dz.astype(g.dtype), db.astype(g.dtype)
 
 
 def activation_grad_like_jnp(g, w, z, *, activation):

@@ -13,6 +13,7 @@ import jax
 
 GEMM_TARGET = "jax_hopper_gemm"
 GEMM_FUSED_TARGET = "jax_hopper_gemm_fused"  # C = act(A @ B + bias) + residual
+GEMM_FUSED_GRAD_TARGET = "jax_hopper_gemm_fused_grad"  # (A @ B) * act'(z), and its column sums
 GEMM_FUSED_DERIVATIVE_TARGET = "jax_hopper_gemm_fused_derivative"  # act(A @ B + bias), act'(A @ B + bias)
 
 try:

@@ -11,6 +11,8 @@ primitive; its batching rule is in _batching.py.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,7 @@ from jax_hopper import _ffi
 from jax_hopper._dispatch import TMA_WIDTH_MULTIPLE
 from jax_hopper._fallback import (
     ACTIVATION_FNS,
-    activation_grad_reference,
+    activation_grad_with_bias_grad_reference,
     dense_reference,
     dense_with_derivative_like_jnp,
     dense_with_derivative_reference,
@@ -85,8 +87,7 @@ def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
     x, w = _pad_for_tma(x, w, False, False)
     call = jax.ffi.ffi_call(_ffi.GEMM_FUSED_TARGET, jax.ShapeDtypeStruct(out_shape, x.dtype))
     return call(x, w, bias if has_bias else _absent(x.dtype), residual if has_residual else _absent(x.dtype),
-                transpose_a=np.int32(0), transpose_b=np.int32(0), activation=np.int32(ACTIVATIONS[activation]),
-                activation_grad=np.int32(0))
+                transpose_a=np.int32(0), transpose_b=np.int32(0), activation=np.int32(ACTIVATIONS[activation]))
 
 
 dense_p.def_impl(eager_impl(dense_p))
@@ -109,22 +110,32 @@ def fused_dense(x, w, bias=None, residual=None, *, activation=None):
                         has_residual=residual is not None)
 
 
-# ---- the backward form: dz = (g @ w^T) * act'(z) --------------------------------------
+# ---- the backward form: dz = (g @ w^T) * act'(z), and its bias gradient -----------------
 # The cotangent of an MLP's hidden pre-activation (jax_hopper.mlp's backward pass): g
 # [..., M, K] is the second layer's output cotangent, w [N, K] that layer's weight as
 # stored (read K-major, no transposing copy), z [..., M, N] the first layer's saved
 # pre-activation (or, with activation None, the act'(z1) the forward saved: the
 # saved-derivative form, a multiply). The kernel multiplies the f32 product by act'(z) in its epilogue and
 # rounds once (cuBLASLt's DGELU epilogue; XLA runs the product and then a separate
-# elementwise pass). N must be a multiple of 8 (z is TMA-loaded and the result
-# TMA-stored): the FFI handler refuses other widths, and the lowering computes those
-# through XLA with the same arithmetic. Programs spanning several
-# devices lower to XLA's computation, which XLA partitions (there are no partitioning
-# rules for this primitive). Its derivatives (a second-order gradient) are XLA's.
+# elementwise pass). With bias_grad, the second result is the first layer's bias
+# gradient db = dz summed over every dim but the last (the f32 values before rounding,
+# summed in f32, rounded once): the epilogue reduces each 64-row block's columns
+# (cuda/gemm/column_sums.cuh) and XLA adds the M / 64 partial rows, where a separate
+# pass would read dz again; without it, the second result is empty. N must be a
+# multiple of 8 (z is TMA-loaded and the result TMA-stored): the FFI handler refuses
+# other widths, and the lowering computes those through XLA with the same arithmetic.
+# Programs spanning several devices lower to XLA's computation, which XLA partitions
+# (there are no partitioning rules for this primitive). Its derivatives (a second-order
+# gradient) are XLA's.
 dense_grad_p = Primitive("jax_hopper_dense_activation_grad")
+dense_grad_p.multiple_results = True
+
+# Rows of dz summed into one row of the kernel's partial column sums (cuda/gemm/gemm.h:
+# kColumnSumRows, one consumer warpgroup's rows).
+COLUMN_SUM_ROWS = 64
 
 
-def _grad_abstract_eval(g, w, z, *, activation):
+def _grad_abstract_eval(g, w, z, *, activation, bias_grad):
     if activation not in ACTIVATIONS:  # None: z is the saved act'(z1), a multiply
         raise ValueError(f"jax_hopper_dense_activation_grad: unknown activation {activation!r}")
     if g.ndim < 2 or w.ndim != 2 or g.shape[-1] != w.shape[1] or z.shape != g.shape[:-1] + (w.shape[0],):
@@ -133,35 +144,45 @@ def _grad_abstract_eval(g, w, z, *, activation):
     if not (g.dtype == w.dtype == z.dtype) or g.dtype not in KERNEL_DTYPES:
         raise TypeError(f"jax_hopper_dense_activation_grad takes operands of one type, f16 or bf16; got g {g.dtype}, "
                         f"w {w.dtype}, z {z.dtype}")
-    return g.update(shape=z.shape, dtype=g.dtype, weak_type=False)
+    db_shape = (z.shape[-1],) if bias_grad else (0,)
+    return g.update(shape=z.shape, dtype=g.dtype, weak_type=False), jax.core.ShapedArray(db_shape, g.dtype)
 
 
-def _grad_default_impl(g, w, z, *, activation):
-    return activation_grad_reference(g, w, z, activation=activation)
+def _grad_default_impl(g, w, z, *, activation, bias_grad):
+    return activation_grad_with_bias_grad_reference(g, w, z, activation=activation, bias_grad=bias_grad)
 
 
-def _grad_cuda_impl(g, w, z, *, activation):
+def _grad_cuda_impl(g, w, z, *, activation, bias_grad):
     reason = _ffi.kernel_unavailable_reason()
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
-        return _grad_default_impl(g, w, z, activation=activation)
+        return _grad_default_impl(g, w, z, activation=activation, bias_grad=bias_grad)
     if z.shape[-1] % TMA_WIDTH_MULTIPLE:  # z and the result go through TMA (see above)
-        return _grad_default_impl(g, w, z, activation=activation)
+        return _grad_default_impl(g, w, z, activation=activation, bias_grad=bias_grad)
+    n = z.shape[-1]
+    row_blocks = -(-math.prod(z.shape[:-1]) // COLUMN_SUM_ROWS)
+    partial = jax.ShapeDtypeStruct((row_blocks, n) if bias_grad else (0,), jnp.float32)
     g, w = _pad_for_tma(g, w, False, True)
-    call = jax.ffi.ffi_call(_ffi.GEMM_FUSED_TARGET, jax.ShapeDtypeStruct(z.shape, z.dtype))
-    return call(g, w, _absent(z.dtype), z, transpose_a=np.int32(0), transpose_b=np.int32(1),
-                activation=np.int32(ACTIVATIONS[activation]), activation_grad=np.int32(1))
+    call = jax.ffi.ffi_call(_ffi.GEMM_FUSED_GRAD_TARGET, (jax.ShapeDtypeStruct(z.shape, z.dtype), partial))
+    dz, column_sums = call(g, w, z, transpose_a=np.int32(0), transpose_b=np.int32(1),
+                           activation=np.int32(ACTIVATIONS[activation]))
+    db = jnp.sum(column_sums, axis=0).astype(z.dtype) if bias_grad else jnp.zeros((0,), z.dtype)
+    return dz, db
 
 
 dense_grad_p.def_impl(eager_impl(dense_grad_p))
 dense_grad_p.def_abstract_eval(_grad_abstract_eval)
-mlir.register_lowering(dense_grad_p, local_only_lowering(_grad_default_impl, _grad_default_impl))
-mlir.register_lowering(dense_grad_p, local_only_lowering(_grad_cuda_impl, _grad_default_impl), platform="cuda")
+mlir.register_lowering(dense_grad_p, local_only_lowering(_grad_default_impl, _grad_default_impl,
+                                                          multiple_results=True))
+mlir.register_lowering(dense_grad_p, local_only_lowering(_grad_cuda_impl, _grad_default_impl, multiple_results=True),
+                       platform="cuda")
 
 
-def fused_activation_grad(g, w, z, *, activation):
-    """Binds the backward form for g [..., M, K], w [N, K], z [..., M, N] of one 16-bit type."""
-    return dense_grad_p.bind(*_match_varying_axes(g, w, z), activation=activation)
+def fused_activation_grad(g, w, z, *, activation, bias_grad=False):
+    """Binds the backward form for g [..., M, K], w [N, K], z [..., M, N] of one 16-bit
+    type: returns dz, or (dz, db) with bias_grad."""
+    dz, db = dense_grad_p.bind(*_match_varying_axes(g, w, z), activation=activation, bias_grad=bias_grad)
+    return (dz, db) if bias_grad else dz
 
 
 # ---- the forward form that also writes act'(z): (act(z), act'(z)), z = x @ w + bias -----

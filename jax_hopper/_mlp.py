@@ -70,21 +70,24 @@ def _row_sum(t, dtype):
     return jnp.sum(t, axis=tuple(range(t.ndim - 1)), dtype=jnp.float32).astype(dtype)
 
 
-def _hidden_cotangent(dy, w2, kept, activation, derivative):
-    """dz1 = (dy w2^T) * act'(z1), `kept` being z1 or (`derivative`) act'(z1): the
-    backward form where the dispatcher picks it, else the product (dispatched like any
-    other) and, on its 16-bit result, the activation's VJP (jnp's own two passes) or a
-    multiply by the saved derivative."""
+def _hidden_cotangent(dy, w2, kept, activation, derivative, bias_grad):
+    """(dz1, db1): dz1 = (dy w2^T) * act'(z1), `kept` being z1 or (`derivative`)
+    act'(z1), and with bias_grad db1, its row sum (else None). The backward form, whose
+    epilogue sums db1 too, where the dispatcher picks it; else the product (dispatched
+    like any other) and, on its 16-bit result, the activation's VJP (jnp's own two
+    passes) or a multiply by the saved derivative, then the row sum (XLA folds it into
+    that elementwise pass)."""
     if activation is not None:
         rows = math.prod(dy.shape[:-1])
         problem = _dispatch.problem_of((rows, dy.shape[-1]), w2.shape, dy.dtype, dy.dtype, False, True)
         explicit = any(is_explicit(_sharding_of(v)) for v in (dy, w2, kept))
         if not explicit and _dispatch.choose_activation_grad(problem, activation)[0] == "kernel":
-            return fused_activation_grad(dy, w2, kept, activation=None if derivative else activation)
+            out = fused_activation_grad(dy, w2, kept, activation=None if derivative else activation,
+                                        bias_grad=bias_grad)
+            return out if bias_grad else (out, None)
     dh = _product(dy, w2, transpose_b=True, like=kept)
-    if derivative:
-        return dh * kept
-    return jax.vjp(ACTIVATION_FNS[activation], kept)[1](dh)[0]
+    dz1 = dh * kept if derivative else jax.vjp(ACTIVATION_FNS[activation], kept)[1](dh)[0]
+    return dz1, _row_sum(dz1, dy.dtype) if bias_grad else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -116,10 +119,9 @@ def _backward(activation, saved, dy):
     dy = dy.astype(x.dtype)
     dw2 = _contracting_leading_dims(h, dy, like=w2)
     # With act'(z1) saved, the backward form multiplies (its activation None).
-    dz1 = _hidden_cotangent(dy, w2, kept, activation, derivative is not None)
+    dz1, db1 = _hidden_cotangent(dy, w2, kept, activation, derivative is not None, has_b1 is not None)
     dw1 = _contracting_leading_dims(x, dz1, like=w1)
     dx = _product(dz1, w1, transpose_b=True, like=x)
-    db1 = None if has_b1 is None else _row_sum(dz1, x.dtype)
     db2 = None if has_b2 is None else _row_sum(dy, x.dtype)
     return dx, dw1, db1, dw2, db2, None if has_residual is None else dy
 

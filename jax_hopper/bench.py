@@ -419,6 +419,18 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
                                "jnp": lambda dz, p: activation_grad_like_jnp(dz[0], p[2], dz[1],
                                                                              activation=activation)},
                               (x, pre), 1),
+        # The same two with the first layer's bias gradient db1 = sum of dz1's rows: summed
+        # in our epilogue (XLA adding the M/64 partial rows), against jnp's product and one
+        # pass computing dz1 and db1.
+        "dz1 and db1 times saved act'": (
+            {"jax_hopper": lambda dz, p: fused_activation_grad(dz[0], p[2], dz[1], activation=None, bias_grad=True),
+             "jnp": lambda dz, p: _with_row_sum(activation_grad_like_jnp(dz[0], p[2], dz[1], activation=None))},
+            (x, activation_derivative(pre, activation)), 1),
+        "dz1 and db1 backward form": (
+            {"jax_hopper": lambda dz, p: fused_activation_grad(dz[0], p[2], dz[1], activation=activation,
+                                                               bias_grad=True),
+             "jnp": lambda dz, p: _with_row_sum(activation_grad_like_jnp(dz[0], p[2], dz[1], activation=activation))},
+            (x, pre), 1),
         # act(z1) and act'(z1) of z1 = x W1 + b1: the derivative kind (one launch, both from
         # the f32 z1) against jnp's product and one pass computing both.
         "dense1 act and act'": ({"jax_hopper": lambda xh, p: fused_dense_with_derivative(xh[0], p[0], p[1],
@@ -459,6 +471,12 @@ def _saved_derivative(activation, f):
         with _dispatch.saved_derivative({activation}):  # read while jit traces
             return f(*args)
     return run
+
+
+def _with_row_sum(dz):
+    """(dz, db): db the bias gradient of a layer whose pre-activation's cotangent is dz,
+    as jnp's backward pass computes it (f32 sum of the 16-bit dz, rounded once)."""
+    return dz, jnp.sum(dz, axis=tuple(range(dz.ndim - 1)), dtype=jnp.float32).astype(dz.dtype)
 
 
 def _kernel_forced(f):

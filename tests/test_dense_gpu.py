@@ -66,11 +66,6 @@ FUSED_MISUSE = [  # (bias shape, residual shape, c shape, attributes, message)
     ((0,), (64, 65), (64, 64), {}, "residual must be"),
     ((0,), (0,), (64, 64), {"activation": 9}, "unknown activation"),
     ((0,), (0,), (2, 64, 64), {}, "rank"),
-    # The backward form (activation_grad = 1) needs z or a saved derivative (the residual
-    # slot), no bias, and N a multiple of 8.
-    ((0,), (0,), (64, 64), {"activation": 2, "activation_grad": 1}, "needs the pre-activation"),
-    ((64,), (64, 64), (64, 64), {"activation": 2, "activation_grad": 1}, "needs the pre-activation"),
-    ((0,), (0,), (64, 64), {"activation_grad": 2}, "activation_grad must be"),
 ]
 
 
@@ -81,8 +76,7 @@ def test_fused_handler_rejects_inconsistent_calls(hopper, bias_shape, res_shape,
     malformed call with an error instead of reading bias/residual out of bounds."""
     import numpy as np
 
-    params = {"transpose_a": np.int32(0), "transpose_b": np.int32(0), "activation": np.int32(0),
-              "activation_grad": np.int32(0)}
+    params = {"transpose_a": np.int32(0), "transpose_b": np.int32(0), "activation": np.int32(0)}
     params.update({k: np.int32(v) for k, v in attrs.items()})
     call = jax.ffi.ffi_call("jax_hopper_gemm_fused", jax.ShapeDtypeStruct(c_shape, F16))
     operands = [jnp.ones((64, 32), F16), jnp.ones((32, 64), F16), jnp.ones(bias_shape, F16), jnp.ones(res_shape, F16)]
@@ -90,16 +84,30 @@ def test_fused_handler_rejects_inconsistent_calls(hopper, bias_shape, res_shape,
         jax.block_until_ready(jax.jit(lambda *a: call(*a, **params))(*operands))
 
 
-@pytest.mark.parametrize("n", [63, 62])
-def test_backward_form_handler_refuses_a_width_off_the_tma_multiple(hopper, n):
-    """The backward form TMA-loads z and TMA-stores C: called directly with N not a
-    multiple of 8 (w [N, K] read K-major, as jax_hopper.mlp passes it), the handler
-    refuses instead of running on a tensor map it cannot have."""
+GRAD_MISUSE = [  # (z shape, c shape, column_sums shape, activation, message)
+    # The backward form needs z or a saved derivative, N a multiple of 8 (z and c go by
+    # TMA), and column sums, if any, as one f32 row per 64 rows of c.
+    ((0,), (64, 64), (0,), 2, "needs the pre-activation"),
+    ((64, 63), (64, 63), (0,), 2, "a multiple of 8"),
+    ((64, 62), (64, 62), (0,), 2, "a multiple of 8"),
+    ((64, 64), (64, 64), (2, 64), 2, "column_sums must be"),
+    ((64, 64), (64, 64), (1, 56), 2, "column_sums must be"),
+    ((64, 64), (64, 64), (0,), 9, "unknown activation"),
+]
+
+
+@pytest.mark.parametrize("z_shape,c_shape,sums_shape,activation,match", GRAD_MISUSE,
+                         ids=[f"{i}-" + m[-1].replace(" ", "_") for i, m in enumerate(GRAD_MISUSE)])
+def test_backward_form_handler_rejects_inconsistent_calls(hopper, z_shape, c_shape, sums_shape, activation, match):
+    """Called directly with w [N, K] read K-major (as jax_hopper.mlp passes it), the
+    backward form's handler refuses what its tensor maps and column sums cannot take,
+    instead of reading or writing out of bounds."""
     import numpy as np
 
-    params = {"transpose_a": np.int32(0), "transpose_b": np.int32(1), "activation": np.int32(2),
-              "activation_grad": np.int32(1)}
-    call = jax.ffi.ffi_call("jax_hopper_gemm_fused", jax.ShapeDtypeStruct((64, n), F16))
-    operands = [jnp.ones((64, 32), F16), jnp.ones((n, 32), F16), jnp.ones((0,), F16), jnp.ones((64, n), F16)]
-    with pytest.raises(Exception, match="a multiple of 8"):
+    n = c_shape[1]
+    params = {"transpose_a": np.int32(0), "transpose_b": np.int32(1), "activation": np.int32(activation)}
+    call = jax.ffi.ffi_call("jax_hopper_gemm_fused_grad",
+                            (jax.ShapeDtypeStruct(c_shape, F16), jax.ShapeDtypeStruct(sums_shape, jnp.float32)))
+    operands = [jnp.ones((64, 32), F16), jnp.ones((n, 32), F16), jnp.ones(z_shape, F16)]
+    with pytest.raises(Exception, match=match):
         jax.block_until_ready(jax.jit(lambda *a: call(*a, **params))(*operands))

@@ -102,13 +102,13 @@ def test_gradients_with_the_saved_derivative(activation, policy, f):
     if policy == "kernel":
         # forward: act and act' of x w1 + b1 (derivative kind, F72) or the fused x w1 + b1
         # and XLA's pass (F36), then h w2 + b2 + x fused; backward: the multiply form
-        # (activation 0; F36: the product dy w2^T and XLA's multiply), h^T dy, x^T dz1,
-        # dz1 w1^T.
+        # (activation 0, db1 summed in its epilogue; F36: the product dy w2^T and XLA's
+        # multiply), h^T dy, x^T dz1, dz1 w1^T.
         forward = ["jax_hopper_gemm_fused_derivative"] if f % 8 == 0 else ["jax_hopper_gemm_fused"]
-        dz1 = ["jax_hopper_gemm_fused"] if f % 8 == 0 else ["jax_hopper_gemm"]
+        dz1 = ["jax_hopper_gemm_fused_grad"] if f % 8 == 0 else ["jax_hopper_gemm"]
         assert calls == sorted(["jax_hopper_gemm"] * 3 + ["jax_hopper_gemm_fused"] + forward + dz1), calls
         if f % 8 == 0:
-            assert re.search(r"activation = 0 : i32, activation_grad = 1 ", text), "no multiply-form call"
+            assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*activation = 0 : i32", text), "no multiply form"
     else:  # shapes this small stay on XLA
         assert "jax_hopper_gemm_fused_derivative" not in text
 
@@ -258,10 +258,10 @@ def gradient_program(activation, operands, policy):
 def test_kernel_policy_fuses_the_derivative_into_the_backward_product():
     text = gradient_program("gelu_tanh", block_operands((256,), 128, 512, jnp.bfloat16), "kernel")
     calls = re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
-    # forward: x w1 + b1 and h w2 + b2 + x fused; backward: the backward form, h^T dy,
-    # x^T dz1 and dz1 w1^T.
-    assert sorted(calls) == ["jax_hopper_gemm"] * 3 + ["jax_hopper_gemm_fused"] * 3, calls
-    assert len(re.findall(r"activation_grad = 1 ", text)) == 1
+    # forward: x w1 + b1 and h w2 + b2 + x fused; backward: the backward form (db1 summed
+    # in its epilogue: a [ceil(256 / 64), 512] f32 partial), h^T dy, x^T dz1 and dz1 w1^T.
+    assert sorted(calls) == ["jax_hopper_gemm"] * 3 + ["jax_hopper_gemm_fused"] * 2 + ["jax_hopper_gemm_fused_grad"]
+    assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<256x512xbf16>, tensor<4x512xf32>\)", text)
     assert "dot_general" not in text
 
 
@@ -270,7 +270,7 @@ def test_auto_policy_keeps_the_backward_form_off():
     problem = _dispatch.problem_of((8192, 4096), (16384, 4096), jnp.float16, jnp.float16, False, True)
     assert _dispatch.choose_activation_grad(problem, "gelu_tanh", "auto") == ("xla", "backward-form-slower")
     text = gradient_program("gelu_tanh", block_operands((256,), 128, 512, jnp.bfloat16), "auto")
-    assert "activation_grad = 1 " not in text
+    assert "jax_hopper_gemm_fused_grad" not in text
 
 
 @pytest.mark.parametrize("width", [33, 34])
@@ -279,7 +279,7 @@ def test_hidden_width_off_the_tma_multiple_takes_xla_for_the_backward_form(width
     problem = _dispatch.problem_of((256, 128), (width, 128), jnp.float16, jnp.float16, False, True)
     assert _dispatch.choose_activation_grad(problem, "silu", "kernel") == ("xla", "hidden-width-not-multiple-of-8")
     operands = block_operands((64,), 16, width, jnp.float16)
-    assert "activation_grad = 1 " not in gradient_program("silu", operands, "kernel")
+    assert "jax_hopper_gemm_fused_grad" not in gradient_program("silu", operands, "kernel")
     with jax_hopper.dispatch("kernel"):
         mine = grads(ours("silu"), operands)
     assert_gradients_as_accurate_as_jnp(mine, operands, "silu")

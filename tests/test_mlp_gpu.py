@@ -40,11 +40,17 @@ def _operands(lead, n, k, dtype, seed):
     return g, w, z
 
 
+def _f32_derivative(z, activation):
+    z = z.astype(jnp.float32)
+    if activation is None:  # z is the saved act'(z1) itself
+        return z
+    return jax.vmap(jax.grad(F32_ACT[activation]))(z.ravel()).reshape(z.shape)
+
+
 def _reference(g, w, z, activation):
     f32 = jnp.float32
     dh = jnp.einsum("...k,nk->...n", g.astype(f32), w.astype(f32), precision="highest")
-    derivative = jax.vmap(jax.grad(F32_ACT[activation]))(z.astype(f32).ravel()).reshape(z.shape)
-    return dh * derivative
+    return dh * _f32_derivative(z, activation)
 
 
 def assert_backward_form_close(out, g, w, z, activation):
@@ -149,6 +155,101 @@ def test_backward_form_with_leading_dims_and_odd_width(hopper):
         assert_backward_form_close(out, g, w, z, "gelu_exact")
 
 
+# ---- the bias gradient summed in the backward form's epilogue --------------------------
+BIAS_GRAD_SHAPES = [  # (leading dims of g and z, N, K)
+    ((4096,), 4096, 4096),
+    ((1000,), 600, 520),  # partial tiles in M and N; M not a multiple of 64
+    ((129,), 264, 72),  # the last tile's second warpgroup has no rows
+    ((3, 50), 136, 64),  # leading dims fold into M (150 rows)
+]
+
+
+def _column_sums(g, w, z, activation, rows_per_sum):
+    """Per `rows_per_sum` rows of the f32 dz (leading dims folded into M, rows past M
+    adding zeros, as the kernel's do): its column sums, and those of |g||w|^T |act'(z)|,
+    which bound the sums' f32 error (times column_sum_slack), in float64."""
+    f32 = jnp.float32
+    n = w.shape[0]
+    dh = jnp.einsum("...k,nk->...n", g.astype(f32), w.astype(f32), precision="highest").reshape(-1, n)
+    abs_dh = jnp.einsum("...k,nk->...n", jnp.abs(g.astype(f32)), jnp.abs(w.astype(f32)),
+                        precision="highest").reshape(-1, n)
+    d = _f32_derivative(z, activation).reshape(-1, n)
+    pad = -dh.shape[0] % rows_per_sum
+
+    def blocks(t):
+        return np.asarray(jnp.pad(t, ((0, pad), (0, 0))), np.float64).reshape(-1, rows_per_sum, n).sum(axis=1)
+
+    return blocks(dh * d), blocks(abs_dh * jnp.abs(d))
+
+
+def column_sum_slack(k, rows_per_sum):
+    """Relative (to the absolute sums) f32 error of the kernel's column sums: K roundings
+    in the product, one per row in the sum, and 2^-14 for act''s f32 evaluation."""
+    return (k + rows_per_sum) * 2.0**-24 + 2.0**-14
+
+
+@pytest.mark.parametrize("activation", [None, "gelu_exact", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("shape", BIAS_GRAD_SHAPES, ids=lambda s: "x".join(map(str, s[0] + s[1:])))
+def test_backward_form_bias_gradient_matches_the_f32_reference(hopper, shape, dtype, activation):
+    """db = dz's column sums, from the epilogue's per-64-row sums: within one rounding to
+    the output type of the f32 column sums of the f32 dz, plus their f32 error bound; dz
+    as the backward form without them."""
+    lead, n, k = shape
+    g, w, z = _operands(lead, n, k, dtype, seed=len(lead) + n + k)
+    rows = int(np.prod(lead))
+    (dz, db), _ = run_into_poisons(
+        lambda g, w, z: fused_activation_grad(g, w, z, activation=activation, bias_grad=True),
+        [lead + (n,), (n,)], dtype, g, w, z)
+    assert not bool(jnp.isnan(dz).any() or jnp.isnan(db).any()), "unwritten (still poisoned) or NaN elements"
+    ref, abs_sums = (t[0] for t in _column_sums(g, w, z, activation, rows))
+    err = np.abs(np.asarray(db, np.float64) - ref)
+    allowed = ULP[jnp.dtype(dtype).name] * np.abs(ref) + column_sum_slack(k, rows) * abs_sums
+    assert (err <= allowed).all(), f"worst column {int(np.argmax(err / allowed))}: {err.max():.3e}"
+    assert_backward_form_close(dz, g, w, z, activation)
+
+
+@pytest.mark.parametrize("m,n", [(129, 264), (200, 520), (64, 8)])
+def test_backward_form_column_sums_cover_every_block(hopper, m, n):
+    """The handler's partial sums, called directly with both results poisoned (NaN):
+    every one of the ceil(M / 64) rows and N columns is written, each the column sums of
+    its 64 rows of dz (rows past M add nothing)."""
+    from jax_hopper._fused import COLUMN_SUM_ROWS
+
+    k = 200
+    g, w, z = _operands((m,), n, k, jnp.float16, seed=m + n)
+    row_blocks = -(-m // COLUMN_SUM_ROWS)
+    call = jax.ffi.ffi_call("jax_hopper_gemm_fused_grad", (jax.ShapeDtypeStruct((m, n), jnp.float16),
+                                                          jax.ShapeDtypeStruct((row_blocks, n), jnp.float32)))
+    attrs = {"transpose_a": np.int32(0), "transpose_b": np.int32(1), "activation": np.int32(2)}  # tanh-GELU
+    poisons = [jnp.full((m, n), jnp.nan, jnp.float16), jnp.full((row_blocks, n), jnp.nan, jnp.float32)]
+    ptrs = [p.unsafe_buffer_pointer() for p in poisons]
+    outs = jax.jit(lambda p0, p1, g, w, z: call(g, w, z, **attrs), donate_argnums=(0, 1), keep_unused=True)(
+        *poisons, g, w, z)
+    jax.block_until_ready(outs)
+    dz, partial = outs
+    assert [o.unsafe_buffer_pointer() for o in outs] == ptrs, "the poisoned buffers were not the outputs"
+    assert not bool(jnp.isnan(dz).any() or jnp.isnan(partial).any()), "unwritten (still poisoned) elements"
+    ref, abs_sums = _column_sums(g, w, z, "gelu_tanh", COLUMN_SUM_ROWS)
+    err = np.abs(np.asarray(partial, np.float64) - ref)
+    bound = column_sum_slack(k, COLUMN_SUM_ROWS) * abs_sums
+    assert (err <= bound).all(), f"worst block/column {np.unravel_index(np.argmax(err / bound), err.shape)}"
+
+
+def test_backward_form_bias_gradient_under_vmap(hopper):
+    """vmap over g and z with a shared w: one launch over the joined rows, each example's
+    db XLA's f32 sum of its rounded dz (so one more rounding of each |dz| allowed)."""
+    g, w, z = _operands((4, 96), 136, 64, jnp.bfloat16, seed=5)
+    dz, db = jax.jit(jax.vmap(lambda g, z: fused_activation_grad(g, w, z, activation="silu", bias_grad=True)))(g, z)
+    assert dz.shape == (4, 96, 136) and db.shape == (4, 136)
+    for i in range(4):
+        ref, abs_sums = (t[0] for t in _column_sums(g[i], w, z[i], "silu", 96))
+        err = np.abs(np.asarray(db[i], np.float64) - ref)
+        ulp = ULP["bfloat16"]
+        assert (err <= ulp * np.abs(ref) + (column_sum_slack(64, 96) + ulp) * abs_sums).all()
+        assert_backward_form_close(dz[i], g[i], w, z[i], "silu")
+
+
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
 def test_block_gradients_on_the_kernel(hopper, dtype, activation):
@@ -162,7 +263,8 @@ def test_block_gradient_program_runs_the_backward_form(hopper):
     operands = block_operands((512,), 256, 1024, jnp.float16)
     with jax_hopper.dispatch("kernel"):
         hlo = jax.jit(jax.grad(loss(ours("gelu_tanh")), argnums=ARGNUMS)).lower(*operands).compile().as_text()
-    assert len(re.findall(r'custom_call_target="jax_hopper_gemm_fused"', hlo)) == 3, "two forward, one backward"
+    assert len(re.findall(r'custom_call_target="jax_hopper_gemm_fused"', hlo)) == 2, "two forward"
+    assert len(re.findall(r'custom_call_target="jax_hopper_gemm_fused_grad"', hlo)) == 1, "one backward"
     assert "__cublas" not in hlo
 
 

@@ -152,55 +152,86 @@ constexpr Activation kActivations[] = {Activation::kNone, Activation::kRelu, Act
                                        Activation::kGeluErf, Activation::kSilu};
 constexpr int32_t kNumActivations = sizeof(kActivations) / sizeof(kActivations[0]);
 
-// The fused product C = act(A * B + bias) + residual: the contract of GemmImpl for a 2-D
-// b (a [M, K] or [..., M, K]) with an output of the operands' type, plus bias [N] and
-// residual (c's shape) of that type, each passed as an empty array when absent. With
-// activation_grad = 1, the backward form C = (A * B) * act'(residual) instead (the
-// residual is the pre-activation z; gemm.h: GemmArgs::activation_grad).
-// The fused handlers' shared part: decode, a rank-2 b, c of the operands' type, the
-// optional bias [N] and the activation.
-ffi::Error decode_fused(const std::string& target, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
-                        ffi::Result<ffi::AnyBuffer>& c, int32_t transpose_a, int32_t transpose_b, int32_t activation,
-                        GemmArgs& args) {
+// The fused handlers' shared part: decode, a rank-2 b, c of the operands' type, and the
+// activation.
+ffi::Error decode_fused(const std::string& target, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer>& c,
+                        int32_t transpose_a, int32_t transpose_b, int32_t activation, GemmArgs& args) {
   if (ffi::Error err = decode(a, b, c, transpose_a, transpose_b, args); err.failure()) return err;
-  const auto type = a.element_type();
-  if (b.dimensions().size() != 2 || c->element_type() != type)
+  if (b.dimensions().size() != 2 || c->element_type() != a.element_type())
     return ffi::Error::InvalidArgument(target + ": b must be rank 2 and c of the operands' type");
-  const auto db = bias.dimensions();
-  if (bias.element_count() != 0) {
-    if (bias.element_type() != type || db.size() != 1 || db[0] != args.n)
-      return ffi::Error::InvalidArgument(target + ": bias must be [N] of the operands' type, got " +
-                                         shape_str(db));
-    args.bias = bias.untyped_data();
-  }
   if (activation < 0 || activation >= kNumActivations)
     return ffi::Error::InvalidArgument(target + ": unknown activation " + std::to_string(activation));
   args.activation = kActivations[activation];
   return ffi::Error::Success();
 }
 
+// An optional bias [N] of the operands' type (empty: none).
+ffi::Error decode_bias(const std::string& target, ffi::AnyBuffer bias, ffi::DataType type, GemmArgs& args) {
+  if (bias.element_count() == 0) return ffi::Error::Success();
+  const auto db = bias.dimensions();
+  if (bias.element_type() != type || db.size() != 1 || db[0] != args.n)
+    return ffi::Error::InvalidArgument(target + ": bias must be [N] of the operands' type, got " + shape_str(db));
+  args.bias = bias.untyped_data();
+  return ffi::Error::Success();
+}
+
+// The residual (or the backward form's z): c's shape and type; empty: none.
+ffi::Error decode_residual(const std::string& target, ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer>& c,
+                           GemmArgs& args) {
+  if (residual.element_count() == 0) return ffi::Error::Success();
+  const auto dr = residual.dimensions(), dc = c->dimensions();
+  if (residual.element_type() != c->element_type() || !std::equal(dr.begin(), dr.end(), dc.begin(), dc.end()))
+    return ffi::Error::InvalidArgument(target + ": residual must be c's shape " + shape_str(dc) +
+                                       " and the operands' type, got " + shape_str(dr));
+  args.residual = residual.untyped_data();
+  args.ld_residual = args.n;
+  return ffi::Error::Success();
+}
+
+// The fused product C = act(A * B + bias) + residual: the contract of GemmImpl for a 2-D
+// b (a [M, K] or [..., M, K]) with an output of the operands' type, plus bias [N] and
+// residual (c's shape) of that type, each passed as an empty array when absent.
 ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
                          ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> c, int32_t transpose_a,
-                         int32_t transpose_b, int32_t activation, int32_t activation_grad) {
+                         int32_t transpose_b, int32_t activation) {
+  const std::string target = "jax_hopper_gemm_fused";
   GemmArgs args;
-  if (ffi::Error err = decode_fused("jax_hopper_gemm_fused", a, b, bias, c, transpose_a, transpose_b, activation, args);
-      err.failure())
+  if (ffi::Error err = decode_fused(target, a, b, c, transpose_a, transpose_b, activation, args); err.failure())
     return err;
-  const auto type = a.element_type();
-  const auto dr = residual.dimensions(), dc = c->dimensions();
-  if (residual.element_count() != 0) {
-    if (residual.element_type() != type || !std::equal(dr.begin(), dr.end(), dc.begin(), dc.end()))
-      return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: residual must be c's shape " + shape_str(dc) +
-                                         " and the operands' type, got " + shape_str(dr));
-    args.residual = residual.untyped_data();
-    args.ld_residual = args.n;
-  }
-  if (activation_grad != 0 && activation_grad != 1)
-    return ffi::Error::InvalidArgument("jax_hopper_gemm_fused: activation_grad must be 0 or 1");
-  args.activation_grad = activation_grad == 1;
+  if (ffi::Error err = decode_bias(target, bias, a.element_type(), args); err.failure()) return err;
+  if (ffi::Error err = decode_residual(target, residual, c, args); err.failure()) return err;
   KernelChoice choice;
-  choice.kind = args.activation_grad ? KernelKind::kPersistentFusedGrad : KernelKind::kPersistentFused;
-  if (args.activation_grad) choice.stages = kFusedGradStages;
+  choice.kind = KernelKind::kPersistentFused;
+  return to_ffi(gemm(args, choice, stream));
+}
+
+// The backward form C = (A * B) * act'(z) (gemm.h: GemmArgs::activation_grad; with
+// activation 0, z is the saved act'(z) and C a product times it): the fused contract
+// with z (c's shape and type) in the residual's place and no bias, plus a second result
+// column_sums, f32 [ceil(M / 64), N]: C's column sums per 64 rows (a bias gradient,
+// summed over its rows by the caller), computed before C is rounded; empty for none.
+ffi::Error GemmFusedGradImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer z,
+                             ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> column_sums,
+                             int32_t transpose_a, int32_t transpose_b, int32_t activation) {
+  const std::string target = "jax_hopper_gemm_fused_grad";
+  GemmArgs args;
+  if (ffi::Error err = decode_fused(target, a, b, c, transpose_a, transpose_b, activation, args); err.failure())
+    return err;
+  if (ffi::Error err = decode_residual(target, z, c, args); err.failure()) return err;
+  args.activation_grad = true;
+  if (column_sums->element_count() != 0) {
+    const auto ds = column_sums->dimensions();
+    const int64_t row_blocks = (args.m + kColumnSumRows - 1) / kColumnSumRows;
+    if (column_sums->element_type() != ffi::DataType::F32 || ds.size() != 2 || ds[0] != row_blocks ||
+        ds[1] != args.n)
+      return ffi::Error::InvalidArgument(target + ": column_sums must be f32 [" + std::to_string(row_blocks) + ", " +
+                                         std::to_string(args.n) + "] (a row per 64 rows of c), got " +
+                                         shape_str(ds));
+    args.column_sums = static_cast<float*>(column_sums->untyped_data());
+  }
+  KernelChoice choice;
+  choice.kind = KernelKind::kPersistentFusedGrad;
+  choice.stages = kFusedGradStages;
   return to_ffi(gemm(args, choice, stream));
 }
 
@@ -210,10 +241,10 @@ ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::A
                                    ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> d,
                                    int32_t transpose_a, int32_t transpose_b, int32_t activation) {
   GemmArgs args;
-  if (ffi::Error err = decode_fused("jax_hopper_gemm_fused_derivative", a, b, bias, c, transpose_a, transpose_b,
-                                    activation, args);
-      err.failure())
+  const std::string target = "jax_hopper_gemm_fused_derivative";
+  if (ffi::Error err = decode_fused(target, a, b, c, transpose_a, transpose_b, activation, args); err.failure())
     return err;
+  if (ffi::Error err = decode_bias(target, bias, a.element_type(), args); err.failure()) return err;
   const auto dc = c->dimensions(), dd = d->dimensions();
   if (d->element_type() != c->element_type() || !std::equal(dd.begin(), dd.end(), dc.begin(), dc.end()))
     return ffi::Error::InvalidArgument("jax_hopper_gemm_fused_derivative: d must have c's shape " + shape_str(dc) +
@@ -249,8 +280,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFused, jax_hopper::GemmFusedImpl,
                                   .Ret<ffi::AnyBuffer>()  // c
                                   .Attr<int32_t>("transpose_a")
                                   .Attr<int32_t>("transpose_b")
-                                  .Attr<int32_t>("activation")
-                                  .Attr<int32_t>("activation_grad"));
+                                  .Attr<int32_t>("activation"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFusedGrad, jax_hopper::GemmFusedGradImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Arg<ffi::AnyBuffer>()  // z (c's shape), or the saved act'(z)
+                                  .Ret<ffi::AnyBuffer>()  // c = (a b) * act'(z)
+                                  .Ret<ffi::AnyBuffer>()  // column_sums (f32 [ceil(M / 64), N], or empty)
+                                  .Attr<int32_t>("transpose_a")
+                                  .Attr<int32_t>("transpose_b")
+                                  .Attr<int32_t>("activation"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFusedDerivative, jax_hopper::GemmFusedDerivativeImpl,
                               ffi::Ffi::Bind()

@@ -14,6 +14,13 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemm);
 // (0 none, 1 relu, 2 gelu tanh, 3 gelu erf, 4 silu).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemmFused);
 
+// The backward form C = (A * B) * act'(z) (with activation 0, z is act'(z) itself: a
+// multiply) and, optionally, C's f32 column sums per 64 rows (a bias gradient).
+// Operands: a, b (rank 2), z ([M, N]), of one 16-bit type; results c ([M, N], that
+// type) and column_sums (f32 [ceil(M / 64), N], or empty for none). Attributes:
+// transpose_a, transpose_b, activation. N must be a multiple of 8 (z and c go by TMA).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemmFusedGrad);
+
 // C = act(A * B + bias) and D = act'(A * B + bias) in one kernel, for a backward pass
 // to multiply by act'. Operands: a, b (rank 2), bias ([N] or empty); results c and d
 // [M, N], all of one 16-bit type. Attributes: transpose_a, transpose_b, activation (as

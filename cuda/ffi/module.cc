@@ -11,6 +11,7 @@ NB_MODULE(_jax_hopper, m) {
     nb::dict targets;
     targets["jax_hopper_gemm"] = nb::capsule(reinterpret_cast<void*>(JaxHopperGemm));
     targets["jax_hopper_gemm_fused"] = nb::capsule(reinterpret_cast<void*>(JaxHopperGemmFused));
+    targets["jax_hopper_gemm_fused_grad"] = nb::capsule(reinterpret_cast<void*>(JaxHopperGemmFusedGrad));
     targets["jax_hopper_gemm_fused_derivative"] =
         nb::capsule(reinterpret_cast<void*>(JaxHopperGemmFusedDerivative));
     return targets;

@@ -137,8 +137,12 @@ struct GemmConfig {
   static constexpr uint32_t kStageBytes = LayoutA::kBytes + LayoutB::kBytes;  // TMA tx bytes
 
   static constexpr int64_t kSmemReserve = 2 * 1024;
+  // The backward form's bias-gradient scratch (column_sums.cuh): [4 warps][kBlockN] f32
+  // per consumer warpgroup.
+  static constexpr int64_t kColumnSumBytes =
+      kStagedOperand ? int64_t{kConsumerWarpgroups} * hopper::kWarpsPerWarpgroup * kBlockN * sizeof(float) : 0;
   static constexpr int64_t kStoreBudget = int64_t{kMaxSmemPerBlock} - int64_t{kSmemAlignment} - kSmemReserve -
-                                          int64_t{kStages} * kStageBytes;
+                                          kColumnSumBytes - int64_t{kStages} * kStageBytes;
   static constexpr int kStoreBuffersThatFit =
       kStoreBudget > 0 ? static_cast<int>(kStoreBudget / (kConsumerWarpgroups * kStoreBufferBytes)) : 0;
   static constexpr int kStoreBuffers = kStoreBuffersThatFit < kMaxStoreBuffers ? kStoreBuffersThatFit : kMaxStoreBuffers;
@@ -195,6 +199,14 @@ struct OperandStorage {
 template <class Cfg>
 struct OperandStorage<Cfg, false> {};
 
+// The backward form's bias-gradient scratch, one per consumer warpgroup.
+template <class Cfg, bool = Cfg::kStagedOperand>
+struct ColumnSumStorage {
+  float sums[Cfg::kConsumerWarpgroups][hopper::kWarpsPerWarpgroup][Cfg::kBlockN];
+};
+template <class Cfg>
+struct ColumnSumStorage<Cfg, false> {};
+
 template <class Cfg>
 struct SharedStorage {
   struct alignas(kSmemAlignment) Stage {
@@ -206,6 +218,7 @@ struct SharedStorage {
   FusedStorage<Cfg> fused;
   TurnStorage<Cfg> turns;
   OperandStorage<Cfg> operand;
+  ColumnSumStorage<Cfg> column_sums;
   uint64_t full[Cfg::kStages];   // TMA -> consumers: the stage holds fresh data
   uint64_t empty[Cfg::kStages];  // consumers -> TMA: the stage may be overwritten
 };

@@ -13,6 +13,7 @@
 
 #include <cuda.h>
 
+#include "gemm/column_sums.cuh"
 #include "gemm/gemm.h"
 #include "hopper/tma.cuh"
 #include "hopper/warpgroup.cuh"
@@ -33,6 +34,9 @@ struct OutputParams {
   int64_t ld_residual;
   bool paired_inputs;  // bias, residual, ld_residual and n allow two-element loads
   Activation activation;
+  // The backward form's bias gradient (kStagedOperand kinds only): f32 column sums of C
+  // per 64-row block, [ceil(m / 64)][n], or null for none (column_sums.cuh).
+  float* column_sums;
 };
 
 // Two adjacent columns as one store.
@@ -697,13 +701,16 @@ struct TmaStoreEpilogue {
   // C = acc * act'(z) (or acc * the saved act'(z)) in place of the staged operand, one
   // sub-tile at a time: each thread reads (ldmatrix) exactly the elements that it then
   // overwrites (stmatrix at the same addresses), so no barrier parts the read from the
-  // write; each buffer then leaves by its own TMA store.
-  template <Activation kAct>
+  // write; each buffer then leaves by its own TMA store. kColumnSums: C's f32 column sums
+  // too, as row row0 / 64 of out.column_sums (column_sums.cuh).
+  template <Activation kAct, bool kColumnSums>
   __device__ static void store_times_operand_as(const typename Direct::Acc& acc, Buffers& buffers,
-                                                const CUtensorMap* tmap_c, uint64_t* full, uint32_t phase,
+                                                const CUtensorMap* tmap_c, const OutputParams& out, uint64_t* full,
+                                                uint32_t phase, typename ColumnSums<Cfg>::Scratch& sums_scratch,
                                                 int warpgroup, int row0, int col0) {
     using Element = typename Cfg::Element;
     using Ops = FusedOps<Cfg>;
+    using Sums = ColumnSums<Cfg>;
     constexpr int kCols = Cfg::kStoreRowBytes / sizeof(Element);
     constexpr int kBatch = 0;
     const uint32_t barrier = Cfg::kFirstEpilogueBarrier + warpgroup;
@@ -711,6 +718,7 @@ struct TmaStoreEpilogue {
     hopper::mbarrier_wait(full, phase);
 #pragma unroll
     for (int s = 0; s < Cfg::kOperandSubtiles; ++s) {
+      typename Sums::SubtileSums sums;
 #pragma unroll
       for (int p = 0; p < kPairSteps; ++p) {
         const int j = s * 2 * kPairSteps + 2 * p;  // first accumulator column block of the pair
@@ -722,26 +730,44 @@ struct TmaStoreEpilogue {
         for (int q = 0; q < kMatrices; ++q) {  // matrix q holds accumulator pair 4j + 2q
           const float2 zq = Ops::unpack(z[q]);
           const int i = 4 * j + 2 * q;
-          c[q] = pack_pair<Element>(Ops::template times_derivative<kAct>(acc[i], zq.x),
-                                    Ops::template times_derivative<kAct>(acc[i + 1], zq.y));
+          const float2 v = make_float2(Ops::template times_derivative<kAct>(acc[i], zq.x),
+                                       Ops::template times_derivative<kAct>(acc[i + 1], zq.y));
+          c[q] = pack_pair<Element>(v.x, v.y);
+          if constexpr (kColumnSums) {  // q = 0, 1: rows r, r + 8 of block 2p; q = 2, 3: of block 2p + 1
+            float2& sum = sums[2 * p + q / 2];
+            sum = q % 2 == 0 ? v : Sums::add(sum, v);
+          }
         }
         hopper::stmatrix_x4(addr, c[0], c[1], c[2], c[3]);
       }
+      float2 total;
+      if constexpr (kColumnSums) total = Sums::reduce_scatter(sums);
       hopper::fence_proxy_async_shared();
       hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
       if (elected) {
         hopper::tma_store_3d(tmap_c, buffers[s], col0 + s * kCols, row0, kBatch);
         hopper::bulk_commit_group();
       }
+      if constexpr (kColumnSums) Sums::publish(sums_scratch, s, total);
     }
+    if constexpr (kColumnSums)
+      Sums::write(sums_scratch, out.column_sums, out.n, row0 / Cfg::kMmaM, col0, out.n, barrier);
   }
 
   // `phase`: the parity of this warpgroup's staged tiles so far.
   __device__ static void store_times_operand(const typename Direct::Acc& acc, Buffers& buffers,
                                              const CUtensorMap* tmap_c, const OutputParams& out, uint64_t* full,
-                                             uint32_t phase, int warpgroup, int row0, int col0) {
+                                             uint32_t phase, typename ColumnSums<Cfg>::Scratch& sums_scratch,
+                                             int warpgroup, int row0, int col0) {
     with_activation(out.activation, [&](auto act) {
-      store_times_operand_as<decltype(act)::value>(acc, buffers, tmap_c, full, phase, warpgroup, row0, col0);
+      constexpr Activation kAct = decltype(act)::value;
+      if (out.column_sums != nullptr) {
+        store_times_operand_as<kAct, true>(acc, buffers, tmap_c, out, full, phase, sums_scratch, warpgroup, row0,
+                                           col0);
+      } else {
+        store_times_operand_as<kAct, false>(acc, buffers, tmap_c, out, full, phase, sums_scratch, warpgroup, row0,
+                                            col0);
+      }
     });
   }
 

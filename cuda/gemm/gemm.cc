@@ -139,6 +139,11 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
       return Status::Invalid("a derivative output needs an activation, no residual, 16-byte aligned C and D, and a "
                              "row length that is a multiple of 8");
   }
+  // Column sums: float2 stores, one row per 64 rows of C (column_sums.cuh).
+  constexpr uintptr_t kColumnSumAlign = 2 * sizeof(float);
+  if (args.column_sums != nullptr &&
+      (!grad_kind || reinterpret_cast<uintptr_t>(args.column_sums) % kColumnSumAlign != 0))
+    return Status::Invalid("column sums come only with an activation gradient, 8-byte aligned");
   if (choice.kind == KernelKind::kPersistentF16Acc && args.dtype != ElementType::kF16)
     return Status::Invalid("f16 accumulation takes f16 operands (wgmma has no bf16 accumulator)");
   if (fused_kind) {

@@ -65,6 +65,10 @@ struct GemmArgs {
   int64_t ld_residual = 0;
   Activation activation = Activation::kNone;
   bool activation_grad = false;
+  // With activation_grad, optionally: C's column sums (a bias gradient), computed in f32
+  // before C is rounded, per 64-row block: f32 [ceil(M / kColumnSumRows)][N], to be
+  // summed over its rows by the caller; 8-byte aligned.
+  float* column_sums = nullptr;
   void* derivative = nullptr;
   bool fused() const {
     return bias != nullptr || residual != nullptr || activation != Activation::kNone || activation_grad ||
@@ -123,6 +127,8 @@ struct KernelChoice {
   KernelKind kind = KernelKind::kPersistent;
   int stages = 4;
 };
+// Rows of C summed into one row of GemmArgs::column_sums (one consumer warpgroup's).
+constexpr int64_t kColumnSumRows = 64;
 // The backward form's ring depth (instances.def): its staged operand takes the shared
 // memory of a fourth stage (config.cuh: kStagedOperand).
 constexpr int kFusedGradStages = 3;

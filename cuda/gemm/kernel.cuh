@@ -155,7 +155,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       if constexpr (Cfg::kStagedOperand) {  // the backward form, in place of its staged operand
         Epilogue::store_times_operand(acc, smem.epilogue.buffers[warpgroup], &tmap_c, out,
-                                      &smem.operand.full[warpgroup], operand_phase, warpgroup, row0, col0);
+                                      &smem.operand.full[warpgroup], operand_phase, smem.column_sums.sums[warpgroup],
+                                      warpgroup, row0, col0);
         operand_phase ^= 1;
       } else {
         if constexpr (Cfg::kFusedEpilogue)

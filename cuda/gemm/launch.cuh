@@ -195,7 +195,8 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
                              args.n % 2 == 0;
   const OutputParams out{args.c,        args.ldc,      args.batch_stride_c,   static_cast<int>(args.m),
                          static_cast<int>(args.n), args.c_f32, paired, tma_store, args.bias, args.residual,
-                         args.residual != nullptr ? args.ld_residual : 0, paired_inputs, args.activation};
+                         args.residual != nullptr ? args.ld_residual : 0, paired_inputs, args.activation,
+                         args.column_sums};
   const SchedulerOf<Cfg> scheduler{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
                                    static_cast<int>(ceil_div(args.n, Cfg::kBlockN)), static_cast<int>(args.batch)};
   const int k_tiles = static_cast<int>(ceil_div(args.k, Cfg::kBlockK));
