@@ -28,9 +28,9 @@ struct ColumnSums {
   static constexpr int kSubtileCols = Cfg::kStoreRowBytes / static_cast<int>(sizeof(typename Cfg::Element));  // 64
   static constexpr int kBlocksPerSubtile = kSubtileCols / kColsPerBlock;                                     // 8
   static constexpr int kLanesPerColumn = hopper::kWarpSize / 4;  // lanes holding the same columns
-  static_assert(kBlocksPerSubtile == kLanesPerColumn, "the reduce-scatter leaves one block per lane");
-  static_assert(Cfg::kBlockN == 2 * hopper::kWarpgroupSize, "thread t finishes columns 2t, 2t + 1");
-  static_assert(Cfg::kMmaM == kColumnSumRows, "a warpgroup's rows make one row of the partial (gemm.h)");
+  // Checked where used: every kind with a TMA-store epilogue names the Scratch type.
+  static constexpr bool kShapeOk = kBlocksPerSubtile == kLanesPerColumn && Cfg::kBlockN == 2 * hopper::kWarpgroupSize &&
+                                   Cfg::kMmaM == kColumnSumRows;
 
   using Scratch = float[hopper::kWarpsPerWarpgroup][Cfg::kBlockN];
   // One sub-tile's per-thread sums: block j's two columns, rows r and r + 8 added.
@@ -47,6 +47,8 @@ struct ColumnSums {
   // ends with block g = l / 4 summed over the warp's 16 rows: columns 8g + 2 (l % 4) +
   // {0, 1} = 2l + {0, 1} of the sub-tile.
   __device__ static float2 reduce_scatter(const SubtileSums& v) {
+    static_assert(kShapeOk, "one 8-column block per lane after the reduce-scatter; thread t finishing columns "
+                            "2t, 2t + 1 of the tile; a warpgroup's 64 rows as one row of the partial (gemm.h)");
     const int lane = hopper::lane_index();
     constexpr int kHalf = kBlocksPerSubtile / 2, kQuarter = kHalf / 2;
     const bool hi4 = lane & 16, hi3 = lane & 8, hi2 = lane & 4;
