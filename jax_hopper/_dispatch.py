@@ -245,22 +245,40 @@ def choose_dense(problem: Problem, activation: str | None, policy: str | None = 
 # The MLP's backward form (ops.mlp): dz1 = (dy w2^T) * act'(z1) in one launch of our
 # gradient kind (problem: dy w2^T, w2 read as stored [F, D]), against the product alone
 # (dispatched by the table) followed by XLA's elementwise pass. Measured on the H200
-# (BENCHMARKS.md, sessions "the MLP's backward form" and 2026-12-01 03:36;
-# 8192x4096x16384): with z1 staged through shared memory (6054dfd) it beats jnp's two
-# passes alone (exact GELU 1.12-1.13x, the multiply by a saved act' 1.01-1.02x), but in
-# the training step the bias gradient db1 then costs a pass of its own (0.076 ms) that
-# XLA otherwise folds into its elementwise pass, and the step loses (f16, per kernel:
-# multiply form + db1 1.647 ms against 1.604; tanh-GELU 1.716 against 1.662). So only
-# policy "kernel" runs it.
-def choose_activation_grad(problem: Problem, activation: str | None, policy: str | None = None) -> tuple[str, str]:
-    """(path, rule) for the MLP's backward form (problem: dy w2^T): "kernel" runs it;
-    "xla" leaves the product to choose() and act' to XLA."""
+# (BENCHMARKS.md, sessions "the MLP's backward form", 2026-12-01 03:36 and 05:52;
+# 8192x4096x16384, f16 and bf16, kernel time). Alone it beats jnp's two passes (exact
+# GELU 1.15-1.17x, the multiply by a saved act' 1.04-1.05x), but a layer with a bias
+# also needs db1, which XLA folds into its elementwise pass: as a pass of its own
+# (0.076 ms) it made the training step lose. Since the epilogue sums db1 too
+# (cuda/gemm/column_sums.cuh), dz1 and db1 together run 1.07-1.09x jnp's product and
+# pass (tanh-GELU, SiLU, the saved-act' multiply) and 1.20-1.21x (exact GELU), and the
+# training step gains about 1% (exact GELU with act' saved: 1.057/1.061x against
+# 1.048-1.053x; tanh-GELU 1.010x against 1.00x). Auto runs it where that was measured:
+# a bias gradient to sum, every dimension >= BACKWARD_FORM_MIN_DIM and K (the model
+# width) <= BACKWARD_FORM_MAX_K -- at a longer K our product's deficit to cuBLASLt's
+# (about 3% of a time that grows with K) outgrows the pass it saves (a fixed ~0.2 ms).
+BACKWARD_FORM_MIN_DIM = 4096
+BACKWARD_FORM_MAX_K = 4096
+
+
+def backward_form_wins(p: Problem, bias_grad: bool) -> bool:
+    return (bias_grad and p.batch <= 1 and min(p.m, p.n, p.k) >= BACKWARD_FORM_MIN_DIM and
+            p.k <= BACKWARD_FORM_MAX_K)
+
+
+def choose_activation_grad(problem: Problem, activation: str | None, policy: str | None = None,
+                           bias_grad: bool = False) -> tuple[str, str]:
+    """(path, rule) for the MLP's backward form (problem: dy w2^T; bias_grad: the layer
+    has a bias, whose gradient the kernel would sum): "kernel" runs it; "xla" leaves the
+    product to choose() and act' (and db1) to XLA."""
     del activation
     policy = current_policy() if policy is None else policy
     if problem.n % TMA_WIDTH_MULTIPLE:
         return "xla", "hidden-width-not-multiple-of-8"
     if policy == "kernel":
         return _runnable("kernel", "policy=kernel")
+    if policy == "auto" and backward_form_wins(problem, bias_grad):
+        return _runnable("kernel", "backward-form-with-bias-gradient")
     return "xla", "backward-form-slower"
 
 

@@ -11,16 +11,17 @@ is one custom_vjp:
               h  = act(z1)             (XLA, 16-bit, as jnp's block; saved)
               y  = h w2 + b2 + r       (dense: bias and residual fused)
   backward    dz1 = (dy w2^T) * act'(z1)    one launch of the backward form, reading
-                                            w2 as stored (_fused.dense_grad_p); or the
-                                            product, then act' by XLA (see below)
+              db1 = dz1's row sums          w2 as stored, db1 summed in its epilogue
+                                            (_fused.dense_grad_p); or the product, then
+                                            act' and db1 by XLA (see below)
               dw2 = h^T dy, dw1 = x^T dz1, dx = dz1 w1^T   (products, dispatched)
-              db2, db1: row sums of dy and dz1 (f32 sums, one XLA pass each), dr = dy
+              db2: row sums of dy (f32 sums, one XLA pass), dr = dy
 
-Every product goes through the dispatcher as in `dense`. The backward form runs under
-policy "kernel" only (_dispatch.choose_activation_grad): measured on the H200 it beats
-the product followed by XLA's elementwise pass on its own, but then the bias gradient
-db1 needs a pass of its own, which XLA folds into its elementwise pass, and the
-training step loses. Elsewhere dh is a product like any other and XLA applies act'.
+Every product goes through the dispatcher as in `dense`. The backward form runs where
+the dispatcher measured it ahead (_dispatch.choose_activation_grad: with a bias
+gradient to sum, large layers, model width <= 4096) and under policy "kernel";
+elsewhere dh is a product like any other and XLA applies act' and sums db1 in one
+elementwise pass.
 Without differentiation the block is the two fused `dense` calls (the activation then
 fused into the first one's epilogue, on the f32 sum).
 
@@ -30,12 +31,13 @@ derivative kind; _dispatch.saves_derivative):
   forward     h, d = act(z1), act'(z1)      one launch of the derivative kind, both from
                                             the f32 z1 (_fused.dense_derivative_p); saved
               y = h w2 + b2 + r
-  backward    dz1 = (dy w2^T) * d           a product and XLA's multiply (or, under
-                                            policy "kernel", the backward form with no
-                                            activation: a multiply epilogue)
+  backward    dz1 = (dy w2^T) * d           the backward form with no activation (a
+                                            multiply epilogue, db1 summed too), or a
+                                            product and XLA's multiply
 
 The backward pass no longer recomputes act' (for exact GELU an erf per element): the
-training step measured 1.04-1.05x jnp's block at 8192x4096x16384 (BENCHMARKS.md).
+training step measured 1.04-1.05x jnp's block at 8192x4096x16384, 1.06x with the
+backward form summing db1 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def _hidden_cotangent(dy, w2, kept, activation, derivative, bias_grad):
         rows = math.prod(dy.shape[:-1])
         problem = _dispatch.problem_of((rows, dy.shape[-1]), w2.shape, dy.dtype, dy.dtype, False, True)
         explicit = any(is_explicit(_sharding_of(v)) for v in (dy, w2, kept))
-        if not explicit and _dispatch.choose_activation_grad(problem, activation)[0] == "kernel":
+        if not explicit and _dispatch.choose_activation_grad(problem, activation, bias_grad=bias_grad)[0] == "kernel":
             out = fused_activation_grad(dy, w2, kept, activation=None if derivative else activation,
                                         bias_grad=bias_grad)
             return out if bias_grad else (out, None)

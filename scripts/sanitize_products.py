@@ -54,19 +54,22 @@ for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_tanh"), (jnp.b
     out.block_until_ready()
     print("dense", dtype.__name__, m, n, k, act, "done", flush=True)
 
-# The backward form, dz = (g @ w^T) * act'(z), on partial tiles: odd K (g and w padded),
-# N = 102 (register stores, z read in pairs up to the row's end).
+# The backward form, dz = (g @ w^T) * act'(z), with and without the bias gradient summed
+# in its epilogue, on partial tiles (M, N past a tile; odd K: g and w padded) and on
+# 256 tiles, about two per CTA (the column-sum scratch reused from tile to tile).
 from jax_hopper._fused import fused_activation_grad  # noqa: E402
 
-for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_exact"), (jnp.bfloat16, (100, 102, 103), "relu"),
-                              (jnp.float16, (300, 520, 200), None)]:  # None: times a saved derivative
+for dtype, (m, n, k), act, bias_grad in [(jnp.float16, (129, 264, 72), "gelu_exact", True),
+                                         (jnp.bfloat16, (100, 104, 103), "relu", False),
+                                         (jnp.float16, (300, 520, 200), None, True),  # None: times a saved act'
+                                         (jnp.bfloat16, (2048, 4096, 64), "gelu_tanh", True)]:
     ka, kb, kc = jax.random.split(jax.random.key(m * k + n), 3)
     g = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
     w = jax.random.normal(kb, (n, k), jnp.float32).astype(dtype)
     z = jax.random.normal(kc, (m, n), jnp.float32).astype(dtype)
-    out = jax.jit(lambda *a: fused_activation_grad(*a, activation=act))(g, w, z)
-    out.block_until_ready()
-    print("activation grad", dtype.__name__, m, n, k, act, "done", flush=True)
+    out = jax.jit(lambda *a: fused_activation_grad(*a, activation=act, bias_grad=bias_grad))(g, w, z)
+    jax.block_until_ready(out)
+    print("activation grad", dtype.__name__, m, n, k, act, "bias_grad" * bias_grad, "done", flush=True)
 
 # The derivative form, act(x w + b) and act'(x w + b) as two TMA-stored outputs, on
 # partial tiles (M, N past a tile; odd K: x and w padded).

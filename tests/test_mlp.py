@@ -265,12 +265,26 @@ def test_kernel_policy_fuses_the_derivative_into_the_backward_product():
     assert "dot_general" not in text
 
 
-def test_auto_policy_keeps_the_backward_form_off():
-    """Measured slower than the product plus XLA's pass (_dispatch.choose_activation_grad)."""
-    problem = _dispatch.problem_of((8192, 4096), (16384, 4096), jnp.float16, jnp.float16, False, True)
-    assert _dispatch.choose_activation_grad(problem, "gelu_tanh", "auto") == ("xla", "backward-form-slower")
-    text = gradient_program("gelu_tanh", block_operands((256,), 128, 512, jnp.bfloat16), "auto")
-    assert "jax_hopper_gemm_fused_grad" not in text
+def test_auto_policy_runs_the_backward_form_where_measured_ahead():
+    """With a bias gradient for the epilogue to sum, every dimension >= 4096 and K <= 4096
+    (_dispatch.choose_activation_grad); without one, at K = 8192 and on small layers the
+    product and XLA's pass."""
+    def choice(rows, width, hidden, bias_grad):
+        problem = _dispatch.problem_of((rows, width), (hidden, width), jnp.float16, jnp.float16, False, True)
+        return _dispatch.choose_activation_grad(problem, "gelu_tanh", "auto", bias_grad=bias_grad)
+
+    assert choice(8192, 4096, 16384, True) == ("kernel", "backward-form-with-bias-gradient")
+    assert choice(4096, 4096, 4096, True) == ("kernel", "backward-form-with-bias-gradient")
+    for rows, width, hidden, bias_grad in [(8192, 4096, 16384, False), (8192, 8192, 32768, True),
+                                          (2048, 4096, 16384, True), (8192, 4096, 2048, True)]:
+        assert choice(rows, width, hidden, bias_grad) == ("xla", "backward-form-slower")
+    structs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4096, 4096), (4096, 4096), (4096,), (4096, 4096),
+                                                                (4096,))]
+    text = gradient_program("gelu_tanh", structs, "auto")
+    # The backward form with the bias gradient's partial sums, [4096 / 64, 4096] f32.
+    assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<4096x4096xbf16>, tensor<64x4096xf32>\)", text)
+    small = gradient_program("gelu_tanh", block_operands((256,), 128, 512, jnp.bfloat16), "auto")
+    assert "jax_hopper_gemm_fused_grad" not in small
 
 
 @pytest.mark.parametrize("width", [33, 34])
