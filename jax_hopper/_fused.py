@@ -81,6 +81,9 @@ def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
         _ffi.warn_no_kernel_once(reason)
         return _default_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
                              has_residual=has_residual)
+    if x.shape[-1] == 0:  # an empty contraction: the fused kinds have no zero-fill path
+        return _default_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
+                             has_residual=has_residual)
     # x's (and the residual's) leading dims fold into M in the FFI handler, not here (see
     # _primitive._cuda_impl).
     out_shape = x.shape[:-1] + (w.shape[1],)
@@ -157,7 +160,8 @@ def _grad_cuda_impl(g, w, z, *, activation, bias_grad):
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
         return _grad_default_impl(g, w, z, activation=activation, bias_grad=bias_grad)
-    if z.shape[-1] % TMA_WIDTH_MULTIPLE:  # z and the result go through TMA (see above)
+    # z and the result go through TMA (see above); an empty contraction has no kernel path.
+    if z.shape[-1] % TMA_WIDTH_MULTIPLE or g.shape[-1] == 0:
         return _grad_default_impl(g, w, z, activation=activation, bias_grad=bias_grad)
     n = z.shape[-1]
     row_blocks = -(-math.prod(z.shape[:-1]) // COLUMN_SUM_ROWS)
@@ -222,7 +226,7 @@ def _derivative_cuda_impl(x, w, bias, *, activation, has_bias):
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
         return _derivative_default_impl(x, w, bias, activation=activation, has_bias=has_bias)
-    if w.shape[1] % TMA_WIDTH_MULTIPLE:
+    if w.shape[1] % TMA_WIDTH_MULTIPLE or x.shape[-1] == 0:  # D by TMA only; no empty-K path
         return _derivative_default_impl(x, w, bias, activation=activation, has_bias=has_bias)
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[1],), x.dtype)
     x, w = _pad_for_tma(x, w, False, False)

@@ -174,6 +174,23 @@ def test_empty_dimensions_give_what_jnp_gives(x_shape, n):
     assert out.shape == expected.shape and bool(jnp.all(out == expected))
 
 
+def test_an_empty_contraction_lowers_to_xla_even_when_the_kernel_is_forced():
+    """K = 0: act(bias) (+ residual) with no product; the fused kinds have no zero-fill
+    path (their host refuses K = 0), so every fused lowering computes it through XLA."""
+    from jax_hopper._fused import fused_activation_grad, fused_dense_with_derivative
+
+    x, w, b = jnp.ones((64, 0), jnp.float16), jnp.ones((0, 64), jnp.float16), jnp.ones((64,), jnp.float16)
+    g, w_t, z = jnp.ones((64, 0), jnp.float16), jnp.ones((64, 0), jnp.float16), jnp.ones((64, 64), jnp.float16)
+    with jax_hopper.dispatch("kernel"):
+        texts = [cuda_text(lambda x, w, b: jax_hopper.dense(x, w, b, activation="gelu_tanh", residual=x @ w), x, w, b),
+                 cuda_text(lambda x, w, b: fused_dense_with_derivative(x, w, b, activation="silu"), x, w, b),
+                 cuda_text(lambda *a: fused_activation_grad(*a, activation="silu", bias_grad=True), g, w_t, z)]
+    for text in texts:
+        assert "jax_hopper_gemm_fused" not in text
+    dz, db = jax.jit(lambda g, w, z: fused_activation_grad(g, w, z, activation="silu", bias_grad=True))(g, w_t, z)
+    assert not bool(jnp.any(dz)) and not bool(jnp.any(db)) and db.shape == (64,)
+
+
 def test_mixed_types_promote_like_jnp_and_skip_the_kernel():
     x, w, _, _ = _operands((16, 32), 24, jnp.float16)
     b = jnp.ones((24,), jnp.float32)
