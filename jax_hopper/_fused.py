@@ -147,6 +147,8 @@ def _grad_abstract_eval(g, w, z, *, activation, bias_grad):
     if not (g.dtype == w.dtype == z.dtype) or g.dtype not in KERNEL_DTYPES:
         raise TypeError(f"jax_hopper_dense_activation_grad takes operands of one type, f16 or bf16; got g {g.dtype}, "
                         f"w {w.dtype}, z {z.dtype}")
+    # db's type names no shard_map manual axes (how an aval carries them changed between
+    # jax releases): jax_hopper.mlp sums db1 through XLA inside shard_map instead.
     db_shape = (z.shape[-1],) if bias_grad else (0,)
     return g.update(shape=z.shape, dtype=g.dtype, weak_type=False), jax.core.ShapedArray(db_shape, g.dtype)
 

@@ -58,6 +58,7 @@ from jax_hopper._autodiff import (
 )
 from jax_hopper._fallback import ACTIVATION_FNS
 from jax_hopper._fused import fused_activation_grad
+from jax_hopper._primitive import _varying_axes
 from jax_hopper._sharding import is_explicit
 
 
@@ -84,9 +85,12 @@ def _hidden_cotangent(dy, w2, kept, activation, derivative, bias_grad):
         problem = _dispatch.problem_of((rows, dy.shape[-1]), w2.shape, dy.dtype, dy.dtype, False, True)
         explicit = any(is_explicit(_sharding_of(v)) for v in (dy, w2, kept))
         if not explicit and _dispatch.choose_activation_grad(problem, activation, bias_grad=bias_grad)[0] == "kernel":
+            # Inside shard_map, db1 by XLA: the primitive types db without manual axes (_fused).
+            fuse_db = bias_grad and not _varying_axes(dy)
             out = fused_activation_grad(dy, w2, kept, activation=None if derivative else activation,
-                                        bias_grad=bias_grad)
-            return out if bias_grad else (out, None)
+                                        bias_grad=fuse_db)
+            dz1, db1 = out if fuse_db else (out, None)
+            return dz1, _row_sum(dz1, dy.dtype) if bias_grad and db1 is None else db1
     dh = _product(dy, w2, transpose_b=True, like=kept)
     dz1 = dh * kept if derivative else jax.vjp(ACTIVATION_FNS[activation], kept)[1](dh)[0]
     return dz1, _row_sum(dz1, dy.dtype) if bias_grad else None
@@ -111,9 +115,26 @@ def _forward(x, w1, b1, w2, b2, residual, activation):
         h = ACTIVATION_FNS[activation](kept)
     y = _dense(h, w2, b2, residual=residual)
     # Which optional operands there were, as empty arrays (residuals must be arrays);
-    # the last one marks the saved-derivative form.
-    present = tuple(None if v is None else jnp.zeros((0,), x.dtype) for v in (b1, b2, residual, derivative or None))
+    # inside shard_map, empty slices of them, which keep the manual axes the operand
+    # varies over (its cotangent must match them). The last marks the saved-derivative form.
+    def marker(v):
+        if v is None:
+            return None
+        return jnp.ravel(v)[:0] if _varying_axes(v) else jnp.zeros((0,), v.dtype)
+
+    present = (marker(b1), marker(b2), marker(residual), jnp.zeros((0,), x.dtype) if derivative else None)
     return y, (x, w1, w2, kept, h, present)
+
+
+def _like_primal(ct, primal):
+    """Inside shard_map, a cotangent summed over the manual axes it varies over and its
+    primal does not (a weight replicated over the axes x is split on): what jax's own
+    autodiff does where it made the weight varying (the transpose of that cast is a psum).
+    A custom VJP must return its cotangents with its primals' types."""
+    if ct is None:
+        return None
+    extra = _varying_axes(ct) - _varying_axes(primal)
+    return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 
 def _backward(activation, saved, dy):
@@ -125,7 +146,8 @@ def _backward(activation, saved, dy):
     dw1 = _contracting_leading_dims(x, dz1, like=w1)
     dx = _product(dz1, w1, transpose_b=True, like=x)
     db2 = None if has_b2 is None else _row_sum(dy, x.dtype)
-    return dx, dw1, db1, dw2, db2, None if has_residual is None else dy
+    cts = (dx, dw1, db1, dw2, db2, None if has_residual is None else dy)
+    return tuple(_like_primal(ct, p) for ct, p in zip(cts, (x, w1, has_b1, w2, has_b2, has_residual)))
 
 
 mlp_block.defvjp(_forward, _backward)

@@ -269,6 +269,31 @@ def test_fused_dense_inside_shard_map_with_replicated_weights_and_grad():
         assert relative_error(a, c.astype(jnp.float32)) < 1e-2
 
 
+@pytest.mark.parametrize("policy", ["kernel", "xla"])
+def test_mlp_inside_shard_map_with_replicated_weights_and_grad(policy):
+    """The block's custom VJP returns the replicated weights' and biases' cotangents
+    summed over the axis x is split on, as jax's own autodiff of the jnp block does
+    (it raised a type error before: each device's partial gradient varies over x)."""
+    mm = mesh()
+    x = _random(jax.random.key(20), (M, K))
+    w1, w2 = _random(jax.random.key(21), (K, N)) / 8, _random(jax.random.key(22), (N, K)) / 8
+    b1, b2 = _random(jax.random.key(23), (N,)), _random(jax.random.key(24), (K,))
+
+    def grads(block):
+        body = jax.shard_map(block, mesh=mm, in_specs=(P("x", None), P(), P(), P(), P()), out_specs=P("x", None))
+        return jax.jit(jax.grad(lambda *a: jnp.sum(body(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2, 3, 4)))
+
+    def plain(x, w1, b1, w2, b2):
+        f32 = [v.astype(jnp.float32) for v in (x, w1, b1, w2, b2)]
+        return jax.nn.gelu(f32[0] @ f32[1] + f32[2], approximate=True) @ f32[3] + f32[4] + f32[0]
+
+    with jax_hopper.dispatch(policy):
+        mine = grads(lambda *a: jax_hopper.mlp(*a, activation="gelu_tanh", residual=a[0]))(x, w1, b1, w2, b2)
+    ref = grads(plain)(x, w1, b1, w2, b2)
+    for a, c in zip(mine, ref):
+        assert a.shape == c.shape and relative_error(a, c.astype(jnp.float32)) < 2e-2
+
+
 def test_derivative_on_xla_keeps_explicit_shardings():
     """A forward product on our kernel whose derivative the dispatcher sends to XLA's dot:
     dW contracts over the sharded M, which under explicit axes needs the operand's
