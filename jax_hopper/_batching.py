@@ -23,6 +23,7 @@ from jax_hopper._fallback import (
     activation_grad_with_bias_grad_reference,
     dense_reference,
     dense_with_derivative_reference,
+    row_sum,
 )
 from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p
 from jax_hopper._primitive import SMALL_M_KERNEL, gemm_p, stages_of
@@ -118,8 +119,7 @@ def _dense_grad_batch_rule(args, dims, *, activation, bias_grad):
                                    bias_grad=False)
         if not bias_grad:
             return [out, jnp.zeros((size, 0), out.dtype)], [0, 0]
-        db = jnp.sum(out, axis=tuple(range(1, out.ndim - 1)), dtype=jnp.float32).astype(out.dtype)
-        return [out, db], [0, 0]
+        return [out, jax.vmap(lambda t: row_sum(t, t.dtype))(out)], [0, 0]
 
     def reference(g, w, z):
         return activation_grad_with_bias_grad_reference(g, w, z, activation=activation, bias_grad=bias_grad)

@@ -62,6 +62,11 @@ def activation_derivative(z, activation):
     return jax.jvp(ACTIVATION_FNS[activation], (z,), (jnp.ones_like(z),))[1]
 
 
+def row_sum(t, dtype):
+    """A bias gradient: t summed over every dim but the last, in f32, rounded once to dtype."""
+    return jnp.sum(t, axis=tuple(range(t.ndim - 1)), dtype=jnp.float32).astype(dtype)
+
+
 def _activation_grad_f32(g, w, z, activation):
     """(g @ w^T) * act'(z) in f32: the f32 product times act'(z) of the f32 z."""
     dh = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -81,8 +86,7 @@ def activation_grad_with_bias_grad_reference(g, w, z, *, activation, bias_grad):
     db (with bias_grad, else empty) the f32 dz before its rounding, summed over every dim
     but the last in f32, rounded once to g's type."""
     dz = _activation_grad_f32(g, w, z, activation)
-    db = jnp.sum(dz, axis=tuple(range(dz.ndim - 1))) if bias_grad else jnp.zeros((0,), dz.dtype)
-    return dz.astype(g.dtype), db.astype(g.dtype)
+    return dz.astype(g.dtype), row_sum(dz, g.dtype) if bias_grad else jnp.zeros((0,), g.dtype)
 
 
 def activation_grad_like_jnp(g, w, z, *, activation):

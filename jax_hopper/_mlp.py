@@ -56,7 +56,7 @@ from jax_hopper._autodiff import (
     activation_and_derivative,
     saved_derivative_choice,
 )
-from jax_hopper._fallback import ACTIVATION_FNS
+from jax_hopper._fallback import ACTIVATION_FNS, row_sum
 from jax_hopper._fused import fused_activation_grad
 from jax_hopper._primitive import _varying_axes
 from jax_hopper._sharding import is_explicit
@@ -66,11 +66,6 @@ def _dense(x, w, b, activation=None, residual=None):
     from jax_hopper.ops import dense
 
     return dense(x, w, b, activation=activation, residual=residual)
-
-
-def _row_sum(t, dtype):
-    """A bias gradient: t summed over every dim but the last, in f32, rounded once."""
-    return jnp.sum(t, axis=tuple(range(t.ndim - 1)), dtype=jnp.float32).astype(dtype)
 
 
 def _hidden_cotangent(dy, w2, kept, activation, derivative, bias_grad):
@@ -90,10 +85,10 @@ def _hidden_cotangent(dy, w2, kept, activation, derivative, bias_grad):
             out = fused_activation_grad(dy, w2, kept, activation=None if derivative else activation,
                                         bias_grad=fuse_db)
             dz1, db1 = out if fuse_db else (out, None)
-            return dz1, _row_sum(dz1, dy.dtype) if bias_grad and db1 is None else db1
+            return dz1, row_sum(dz1, dy.dtype) if bias_grad and db1 is None else db1
     dh = _product(dy, w2, transpose_b=True, like=kept)
     dz1 = dh * kept if derivative else jax.vjp(ACTIVATION_FNS[activation], kept)[1](dh)[0]
-    return dz1, _row_sum(dz1, dy.dtype) if bias_grad else None
+    return dz1, row_sum(dz1, dy.dtype) if bias_grad else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -145,7 +140,7 @@ def _backward(activation, saved, dy):
     dz1, db1 = _hidden_cotangent(dy, w2, kept, activation, derivative is not None, has_b1 is not None)
     dw1 = _contracting_leading_dims(x, dz1, like=w1)
     dx = _product(dz1, w1, transpose_b=True, like=x)
-    db2 = None if has_b2 is None else _row_sum(dy, x.dtype)
+    db2 = None if has_b2 is None else row_sum(dy, x.dtype)
     cts = (dx, dw1, db1, dw2, db2, None if has_residual is None else dy)
     return tuple(_like_primal(ct, p) for ct, p in zip(cts, (x, w1, has_b1, w2, has_b2, has_residual)))
 

@@ -39,6 +39,7 @@ from jax_hopper._fallback import (
     activation_derivative,
     activation_grad_like_jnp,
     activation_with_derivative,
+    row_sum,
 )
 from jax_hopper._fused import fused_activation_grad, fused_dense_with_derivative
 from jax_hopper._primitive import DEFAULT_KERNEL, KERNELS, gemm
@@ -424,12 +425,12 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
         # pass computing dz1 and db1.
         "dz1 and db1 times saved act'": (
             {"jax_hopper": lambda dz, p: fused_activation_grad(dz[0], p[2], dz[1], activation=None, bias_grad=True),
-             "jnp": lambda dz, p: _with_row_sum(activation_grad_like_jnp(dz[0], p[2], dz[1], activation=None))},
+             "jnp": lambda dz, p: _and_row_sum(activation_grad_like_jnp(dz[0], p[2], dz[1], activation=None))},
             (x, activation_derivative(pre, activation)), 1),
         "dz1 and db1 backward form": (
             {"jax_hopper": lambda dz, p: fused_activation_grad(dz[0], p[2], dz[1], activation=activation,
                                                                bias_grad=True),
-             "jnp": lambda dz, p: _with_row_sum(activation_grad_like_jnp(dz[0], p[2], dz[1], activation=activation))},
+             "jnp": lambda dz, p: _and_row_sum(activation_grad_like_jnp(dz[0], p[2], dz[1], activation=activation))},
             (x, pre), 1),
         # act(z1) and act'(z1) of z1 = x W1 + b1: the derivative kind (one launch, both from
         # the f32 z1) against jnp's product and one pass computing both.
@@ -473,10 +474,9 @@ def _saved_derivative(activation, f):
     return run
 
 
-def _with_row_sum(dz):
-    """(dz, db): db the bias gradient of a layer whose pre-activation's cotangent is dz,
-    as jnp's backward pass computes it (f32 sum of the 16-bit dz, rounded once)."""
-    return dz, jnp.sum(dz, axis=tuple(range(dz.ndim - 1)), dtype=jnp.float32).astype(dz.dtype)
+def _and_row_sum(dz):
+    """(dz, db) as jnp's backward pass computes db from its 16-bit dz."""
+    return dz, row_sum(dz, dz.dtype)
 
 
 def _kernel_forced(f):
