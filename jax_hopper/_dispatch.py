@@ -253,12 +253,14 @@ def choose_dense(problem: Problem, activation: str | None, policy: str | None = 
 # (cuda/gemm/column_sums.cuh), dz1 and db1 together run 1.07-1.09x jnp's product and
 # pass (tanh-GELU, SiLU, the saved-act' multiply) and 1.20-1.21x (exact GELU), and the
 # training step gains about 1% (exact GELU with act' saved: 1.057/1.061x against
-# 1.048-1.053x; tanh-GELU 1.010x against 1.00x). Auto runs it where that was measured:
-# a bias gradient to sum, every dimension >= BACKWARD_FORM_MIN_DIM and K (the model
-# width) <= BACKWARD_FORM_MAX_K -- at a longer K our product's deficit to cuBLASLt's
-# (about 3% of a time that grows with K) outgrows the pass it saves (a fixed ~0.2 ms).
+# 1.048-1.053x; tanh-GELU 1.010x against 1.00x). At K = 8192 (8192x8192x32768, session
+# of 2026-12-01 09:20) the multiply form with db1 still runs 1.069/1.068x (f16/bf16)
+# jnp's product and pass: the pass it saves grows with N like the product's deficit to
+# cuBLASLt. Auto runs it where that was measured: a bias gradient to sum, every
+# dimension >= BACKWARD_FORM_MIN_DIM and K (the model width) <= BACKWARD_FORM_MAX_K
+# (longer K unmeasured; the deficit grows with K, the pass does not).
 BACKWARD_FORM_MIN_DIM = 4096
-BACKWARD_FORM_MAX_K = 4096
+BACKWARD_FORM_MAX_K = 8192
 
 
 def backward_form_wins(p: Problem, bias_grad: bool) -> bool:
@@ -289,12 +291,15 @@ def choose_activation_grad(problem: Problem, activation: str | None, policy: str
 # f16, kernel time against jnp's block): exact GELU's training step 1.038x (1.020x
 # sustained), against 1.00x with z1 saved -- XLA's backward erf pass costs 0.42 ms, a
 # multiply about 0.2, and the derivative kind computes act and act' for 1.105x jnp's
-# product plus act pass. tanh-GELU gained at most 1% (its backward pass is already
-# cheap), so it keeps z1. Default: exact GELU, where the derivative kind runs
-# (choose_dense_with_derivative); the saved_derivative() scope forces the form for the
-# activations it names on either path (XLA's pass computing both otherwise), for the
-# benchmark and tests.
-SAVED_DERIVATIVE_ACTIVATIONS: frozenset = frozenset({"gelu_exact"})
+# product plus act pass. tanh-GELU and SiLU gained at most 1% then; since the backward
+# form sums db1 in its epilogue, its multiply form runs 0.06 ms faster than its act'-from-z1
+# form, and the forward's derivative kind ties the product plus XLA's act pass, so saving
+# act' lifts their step (session of 2026-12-01 09:20, f16/bf16, kernel time): tanh-GELU
+# 1.011 -> 1.023/1.019x, SiLU 1.026/1.012 -> 1.034/1.019x. Default: these three, where
+# the derivative kind runs (choose_dense_with_derivative); the saved_derivative() scope
+# forces the form for the activations it names on either path (XLA's pass computing both
+# otherwise), for the benchmark and tests. ReLU: its derivative kind never runs under auto.
+SAVED_DERIVATIVE_ACTIVATIONS: frozenset = frozenset({"gelu_exact", "gelu_tanh", "silu"})
 _saved_derivative_override: list = []
 
 

@@ -306,9 +306,9 @@ def test_gradients_with_the_saved_derivative(activation, policy):
 
 
 def test_saved_derivative_by_default_where_the_derivative_kind_runs():
-    """By default (policy "auto") dense saves act'(z) for exact GELU where the
-    fused-activation rule runs the derivative kind, and never with a residual (that
-    kind does not add one), for tanh-GELU, or on layers too small for the rule."""
+    """By default (policy "auto") dense saves act'(z) for exact GELU, tanh-GELU and SiLU
+    where the fused-activation rule runs the derivative kind, and never with a residual
+    (that kind does not add one), for ReLU, or on layers too small for the rule."""
     S = jax.ShapeDtypeStruct
     x, w, b, r = S((4096, 4096), jnp.bfloat16), S((4096, 8192), jnp.bfloat16), S((8192,), jnp.bfloat16), \
         S((4096, 8192), jnp.bfloat16)
@@ -321,6 +321,8 @@ def test_saved_derivative_by_default_where_the_derivative_kind_runs():
 
     assert len(re.findall(r"@jax_hopper_gemm_fused_derivative\(", grad_program("gelu_exact"))) == 1
     assert "jax_hopper_gemm_fused_derivative" not in grad_program("gelu_exact", residual=r)
-    assert "jax_hopper_gemm_fused_derivative" not in grad_program("gelu_tanh")
+    for activation in ("gelu_tanh", "silu"):
+        assert len(re.findall(r"@jax_hopper_gemm_fused_derivative\(", grad_program(activation))) == 1
+    assert "jax_hopper_gemm_fused_derivative" not in grad_program("relu")
     small = (S((256, 128), jnp.bfloat16), S((128, 512), jnp.bfloat16), S((512,), jnp.bfloat16))
     assert "jax_hopper_gemm_fused_derivative" not in grad_program("gelu_exact", shapes=small)

@@ -160,24 +160,27 @@ def test_dense_lowering_follows_the_rule_and_its_gradient_stays_16_bit():
         def loss(act):
             return lambda x, w, b: jnp.sum(dense(act)(x, w, b).astype(jnp.float32) ** 2)
 
-        # Differentiated, the fused tanh-GELU saves nothing (act' needs z): jnp's
-        # computation, every product on XLA's dot with a 16-bit result -- no f32 dot,
-        # which is what made the old XLA path 2x slower than jnp in a training step.
-        text = cuda_text(jax.grad(loss("gelu_tanh"), argnums=(0, 1, 2)), x, w, b)
-        dots = re.findall(r"stablehlo\.dot_general.*-> tensor<([^>]*)>", text)
-        assert len(dots) == 3 and all(d.endswith("xf16") for d in dots), dots
-        assert "custom_call @jax_hopper" not in text
-        # Only w differentiated: jnp's two products (forward, dW), no product of a zero tangent.
-        text = cuda_text(jax.grad(loss("gelu_tanh"), argnums=1), x, w, b)
-        assert len(re.findall(r"stablehlo\.dot_general", text)) == 2
-        # Exact GELU saves act'(z) instead (one launch of the derivative kind); the
-        # backward products (dx, dW) are XLA's, 16-bit.
-        text = cuda_text(jax.grad(loss("gelu_exact"), argnums=(0, 1, 2)), x, w, b)
-        assert re.findall(r"custom_call @(\S+)\(", text) == ["jax_hopper_gemm_fused_derivative"]
-        dots = re.findall(r"stablehlo\.dot_general.*-> tensor<([^>]*)>", text)
-        assert len(dots) == 2 and all(d.endswith("xf16") for d in dots), dots
-        assert len(re.findall(r"stablehlo\.dot_general", cuda_text(jax.grad(loss("gelu_exact"), argnums=1), x, w,
-                                                                      b))) == 1
+        # Differentiated with z kept (the saved form switched off), the fused tanh-GELU
+        # saves nothing (act' needs z): jnp's computation, every product on XLA's dot
+        # with a 16-bit result -- no f32 dot, which is what made the old XLA path 2x
+        # slower than jnp in a training step.
+        with _dispatch.saved_derivative(()):
+            text = cuda_text(jax.grad(loss("gelu_tanh"), argnums=(0, 1, 2)), x, w, b)
+            dots = re.findall(r"stablehlo\.dot_general.*-> tensor<([^>]*)>", text)
+            assert len(dots) == 3 and all(d.endswith("xf16") for d in dots), dots
+            assert "custom_call @jax_hopper" not in text
+            # Only w differentiated: jnp's two products (forward, dW), no product of a zero tangent.
+            text = cuda_text(jax.grad(loss("gelu_tanh"), argnums=1), x, w, b)
+            assert len(re.findall(r"stablehlo\.dot_general", text)) == 2
+        # By default exact GELU and tanh-GELU save act'(z) instead (one launch of the
+        # derivative kind); the backward products (dx, dW) are XLA's, 16-bit.
+        for act in ("gelu_exact", "gelu_tanh"):
+            text = cuda_text(jax.grad(loss(act), argnums=(0, 1, 2)), x, w, b)
+            assert re.findall(r"custom_call @(\S+)\(", text) == ["jax_hopper_gemm_fused_derivative"]
+            dots = re.findall(r"stablehlo\.dot_general.*-> tensor<([^>]*)>", text)
+            assert len(dots) == 2 and all(d.endswith("xf16") for d in dots), dots
+            assert len(re.findall(r"stablehlo\.dot_general", cuda_text(jax.grad(loss(act), argnums=1), x, w,
+                                                                          b))) == 1
 
 
 def test_backward_products_are_dispatched_like_forward_ones():

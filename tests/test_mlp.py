@@ -113,18 +113,23 @@ def test_gradients_with_the_saved_derivative(activation, policy, f):
         assert "jax_hopper_gemm_fused_derivative" not in text
 
 
-def test_auto_saves_the_exact_gelu_derivative_where_the_derivative_kind_runs():
-    """Default: exact GELU saves act'(z1) where the fused-activation rule runs the
-    derivative kind (every dimension >= 4096); tanh-GELU, and smaller layers, keep z1."""
-    shapes = ((4096, 4096), (4096, 4096), (4096,), (4096, 4096), (4096,))
-    structs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
-    text = gradient_program("gelu_exact", structs, "auto")
+@pytest.mark.parametrize("activation", ["gelu_exact", "gelu_tanh", "silu"])
+def test_auto_saves_the_derivative_where_the_derivative_kind_runs(activation):
+    """Default: exact GELU, tanh-GELU and SiLU save act'(z1) where the fused-activation
+    rule runs the derivative kind (every dimension >= 4096, K <= 4096 for the last two);
+    ReLU, smaller layers and (tanh-GELU, SiLU) a longer K keep z1."""
+    def structs(width):
+        shapes = ((4096, width), (width, 4096), (4096,), (4096, width), (width,))
+        return [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+
+    text = gradient_program(activation, structs(4096), "auto")
     assert len(re.findall(r"@jax_hopper_gemm_fused_derivative\(", text)) == 1
-    assert "jax_hopper_gemm_fused_derivative" not in gradient_program("gelu_tanh", structs, "auto")
-    small = gradient_program("gelu_exact", block_operands((256,), 128, 512, jnp.bfloat16), "auto")
+    wide = gradient_program(activation, structs(8192), "auto")
+    assert ("jax_hopper_gemm_fused_derivative" in wide) == (activation == "gelu_exact")
+    small = gradient_program(activation, block_operands((256,), 128, 512, jnp.bfloat16), "auto")
     assert "jax_hopper_gemm_fused_derivative" not in small
-    assert _dispatch.saves_derivative("gelu_exact", True) and not _dispatch.saves_derivative("gelu_exact", False)
-    assert not _dispatch.saves_derivative("gelu_tanh", True)
+    assert _dispatch.saves_derivative(activation, True) and not _dispatch.saves_derivative(activation, False)
+    assert not _dispatch.saves_derivative("relu", True) and not _dispatch.may_save_derivative("relu")
 
 
 def test_saved_derivative_dispatch():
@@ -255,27 +260,37 @@ def gradient_program(activation, operands, policy):
         return cuda_text(jax.grad(loss(ours(activation)), argnums=ARGNUMS), *operands)
 
 
-def test_kernel_policy_fuses_the_derivative_into_the_backward_product():
-    text = gradient_program("gelu_tanh", block_operands((256,), 128, 512, jnp.bfloat16), "kernel")
+@pytest.mark.parametrize("saved", [False, True], ids=["z1", "saved_act'"])
+def test_kernel_policy_fuses_the_derivative_into_the_backward_product(saved):
+    operands = block_operands((256,), 128, 512, jnp.bfloat16)
+    with _dispatch.saved_derivative({"gelu_tanh"} if saved else ()):
+        text = gradient_program("gelu_tanh", operands, "kernel")
     calls = re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
-    # forward: x w1 + b1 and h w2 + b2 + x fused; backward: the backward form (db1 summed
-    # in its epilogue: a [ceil(256 / 64), 512] f32 partial), h^T dy, x^T dz1 and dz1 w1^T.
-    assert sorted(calls) == ["jax_hopper_gemm"] * 3 + ["jax_hopper_gemm_fused"] * 2 + ["jax_hopper_gemm_fused_grad"]
+    # forward: x w1 + b1 (with act'(z1) in the saved form) and h w2 + b2 + x fused;
+    # backward: the backward form (act' from z1, or the multiply by the saved act'; db1
+    # summed in its epilogue: a [ceil(256 / 64), 512] f32 partial), h^T dy, x^T dz1 and
+    # dz1 w1^T.
+    first = "jax_hopper_gemm_fused_derivative" if saved else "jax_hopper_gemm_fused"
+    assert sorted(calls) == sorted(["jax_hopper_gemm"] * 3 + [first, "jax_hopper_gemm_fused",
+                                                              "jax_hopper_gemm_fused_grad"])
     assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<256x512xbf16>, tensor<4x512xf32>\)", text)
+    activation_attr = re.search(r"jax_hopper_gemm_fused_grad\([^\n]*activation = (\d+) : i32", text).group(1)
+    assert (activation_attr == "0") == saved  # 0: the multiply form
     assert "dot_general" not in text
 
 
 def test_auto_policy_runs_the_backward_form_where_measured_ahead():
-    """With a bias gradient for the epilogue to sum, every dimension >= 4096 and K <= 4096
-    (_dispatch.choose_activation_grad); without one, at K = 8192 and on small layers the
-    product and XLA's pass."""
+    """With a bias gradient for the epilogue to sum, every dimension >= 4096 and K <= 8192
+    (_dispatch.choose_activation_grad); without one, at K = 16384 (unmeasured) and on
+    small layers the product and XLA's pass."""
     def choice(rows, width, hidden, bias_grad):
         problem = _dispatch.problem_of((rows, width), (hidden, width), jnp.float16, jnp.float16, False, True)
         return _dispatch.choose_activation_grad(problem, "gelu_tanh", "auto", bias_grad=bias_grad)
 
     assert choice(8192, 4096, 16384, True) == ("kernel", "backward-form-with-bias-gradient")
     assert choice(4096, 4096, 4096, True) == ("kernel", "backward-form-with-bias-gradient")
-    for rows, width, hidden, bias_grad in [(8192, 4096, 16384, False), (8192, 8192, 32768, True),
+    assert choice(8192, 8192, 32768, True) == ("kernel", "backward-form-with-bias-gradient")
+    for rows, width, hidden, bias_grad in [(8192, 4096, 16384, False), (8192, 16384, 32768, True),
                                           (2048, 4096, 16384, True), (8192, 4096, 2048, True)]:
         assert choice(rows, width, hidden, bias_grad) == ("xla", "backward-form-slower")
     structs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4096, 4096), (4096, 4096), (4096,), (4096, 4096),
