@@ -271,11 +271,14 @@ def test_block_gradients_on_the_kernel(hopper, dtype, activation):
     assert_gradients_as_accurate_as_jnp(mine, operands, activation)
 
 
-def test_block_gradient_program_runs_the_backward_form(hopper):
+@pytest.mark.parametrize("saved", [False, True], ids=["z1", "saved_act'"])
+def test_block_gradient_program_runs_the_backward_form(hopper, saved):
     operands = block_operands((512,), 256, 1024, jnp.float16)
-    with jax_hopper.dispatch("kernel"):
+    with jax_hopper.dispatch("kernel"), _dispatch.saved_derivative({"gelu_tanh"} if saved else ()):
         hlo = jax.jit(jax.grad(loss(ours("gelu_tanh")), argnums=ARGNUMS)).lower(*operands).compile().as_text()
-    assert len(re.findall(r'custom_call_target="jax_hopper_gemm_fused"', hlo)) == 2, "two forward"
+    # Forward: x w1 + b1 (with act'(z1) in the saved form) and h w2 + b2 + x, both fused.
+    assert len(re.findall(r'custom_call_target="jax_hopper_gemm_fused"', hlo)) == (1 if saved else 2)
+    assert len(re.findall(r'custom_call_target="jax_hopper_gemm_fused_derivative"', hlo)) == int(saved)
     assert len(re.findall(r'custom_call_target="jax_hopper_gemm_fused_grad"', hlo)) == 1, "one backward"
     assert "__cublas" not in hlo
 
