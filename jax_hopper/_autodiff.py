@@ -149,13 +149,14 @@ ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)
 # undifferentiated fused call, and the fused activation (the forward's gain) is not
 # used. act' is applied by XLA in the backward pass too: fusing it into the epilogue
 # of the product that produces the cotangent is not done.
-# The saved-derivative form (exact GELU by default, where the dispatcher runs the
-# derivative kind; no residual, which that kind does not add): one launch writes act(z)
-# and act'(z), both from the f32 z, and the tangent is act'(z) dz, so the backward pass
-# multiplies by the saved act'(z) instead of recomputing it from z -- jax_hopper.mlp's
-# form, for a block built from `dense` calls. On the kernel path the value is then the
-# undifferentiated fused call's (one rounding of act(z)); a program spanning devices
-# lowers the derivative primitive to jnp's computation (it has no partitioning rules).
+# The saved-derivative form (exact GELU, tanh-GELU and SiLU by default, where the
+# dispatcher runs the derivative kind; no residual, which that kind does not add): one
+# launch writes act(z) and act'(z), both from the f32 z, and the tangent is act'(z) dz,
+# so the backward pass multiplies by the saved act'(z) instead of recomputing it from z
+# -- jax_hopper.mlp's form, for a block built from `dense` calls. On the kernel path the
+# value is then the undifferentiated fused call's (one rounding of act(z)); a program
+# spanning devices lowers the derivative primitive to jnp's computation (it has no
+# partitioning rules).
 def derivative_kind_runs(x, w, b, activation) -> bool:
     """Whether the dispatcher sends act(z), act'(z) of z = x w + b to the derivative kind."""
     if activation is None:
