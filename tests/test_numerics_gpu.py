@@ -74,7 +74,8 @@ def test_output_is_written_into_the_poisoned_buffer(hopper):
 # default's ablations (cuda/gemm/instances.def).
 SELECTABLE = [("v5", 2, jnp.float16), ("v5", 3, jnp.float16), ("v5", 4, jnp.float16), ("v5", 4, jnp.bfloat16),
               ("persistent_basic", 4, jnp.float16), ("persistent_tma", 4, jnp.float16),
-              ("persistent_wait0", 4, jnp.float16), ("persistent_streamk", 4, jnp.float16),
+              ("persistent_wait0", 4, jnp.float16), ("persistent_immediate", 4, jnp.float16),
+              ("persistent_streamk", 4, jnp.float16),
               ("small_m", 5, jnp.float16), ("small_m", 5, jnp.bfloat16),
               ("persistent_pingpong", 6, jnp.float16)]  # experimental
 
@@ -91,6 +92,36 @@ def test_selectable_kernels_are_correct(hopper, kernel, stages, dtype, shape):
     assert not bool(jnp.isnan(out).any())
     ref = f32_reference(a, b)
     assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.dot(a, b), ref)
+
+
+# The deferred store (config.cuh: kDeferredStore) stages tile i's sub-tile s during tile
+# i + 1's K tile s and the rest after its mainloop: one K tile (three sub-tiles left
+# over), three, many; tiles whose warpgroup has no rows (an odd count of 128-row tiles,
+# and M = 300 whose third M tile leaves the second warpgroup past M) between pending
+# ones; several tiles per CTA in every case, and a batch. Beside the Frobenius bound, an
+# elementwise one: a sub-tile staged from the wrong registers or stored at the wrong
+# place gives errors of the output's own size (|ref| ~ 1 here), far beyond rounding
+# (half an ulp of |ref|: 2^-11 f16, 2^-8 bf16) plus f32 summation noise.
+DEFERRED_STORE_SHAPES = [(8192, 8192, 64), (4160, 4096, 192), (300, 8704, 200), (2048, 4096, 520),
+                         (3, 1000, 2000, 136)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
+@pytest.mark.parametrize("kernel", ["persistent", "persistent_immediate"])
+@pytest.mark.parametrize("shape", DEFERRED_STORE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_deferred_store_edges(hopper, shape, kernel, dtype):
+    from jax_hopper._primitive import gemm
+
+    *lead, m, n, k = shape
+    ka, kb = jax.random.split(jax.random.key(m + n + k))
+    a, b = seed_normal(ka, (*lead, m, k), dtype, k), seed_normal(kb, (*lead, k, n), dtype, k)
+    out, _ = run_into_poison(lambda x, y: gemm(x, y, kernel=kernel), (*lead, m, n), dtype, a, b)
+    assert not bool(jnp.isnan(out).any())
+    ref = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
+    assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.matmul(a, b), ref)
+    ulp = 2.0 ** -(10 if dtype == jnp.float16 else 7)
+    worst = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref) - ulp * jnp.abs(ref)))
+    assert worst <= 1e-3, f"an element is off by {worst:.3e} beyond an ulp of its value"
 
 
 @pytest.mark.parametrize("shape", [(8192, 8192, 64), (4160, 4096, 256), (4096, 4096, 4096)],

@@ -81,6 +81,7 @@ KIND_EXTRAS = {
     9: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_pingpong (experimental: 128x128 per warpgroup)
     10: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused_grad (the MLP's backward form)
     11: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused_derivative (act and act' written)
+    12: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_immediate (the default, stores not deferred)
 }
 F16_ACCUMULATION_KIND = 7
 PINGPONG_KIND = 9

@@ -56,14 +56,22 @@ struct GemmConfig {
   // and one warpgroup's epilogue runs while the other's MMAs keep the tensor cores busy.
   static constexpr bool kPingpong = kKind == KernelKind::kPersistentPingpong;
   static constexpr bool kTmaStoreEpilogue = kKind == KernelKind::kPersistentTma || kKind == KernelKind::kPersistent ||
+                                            kKind == KernelKind::kPersistentImmediate ||
                                             kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK ||
                                             kF16Accumulate || kPingpong;
   // A whole producer warpgroup (only one thread issues TMA) so that setmaxnreg, which
   // works per warpgroup, can move registers from the producer to the consumers.
   // (Not for the small-M kind: one consumer warpgroup has registers to spare.)
   static constexpr bool kProducerWarpgroup = kKind == KernelKind::kPersistent ||
+                                             kKind == KernelKind::kPersistentImmediate ||
                                              kKind == KernelKind::kPersistentWait0 || kFusedEpilogue ||
                                              kKind == KernelKind::kPersistentStreamK || kF16Accumulate || kPingpong;
+  // The deferred store (epilogue.cuh): a tile's 16-bit output is packed into registers
+  // and staged and stored during the next tile's first K tiles, under its MMAs, instead
+  // of between the two tiles while the tensor cores wait. The packed tile (64 registers)
+  // sits next to the next tile's 128 f32 accumulators, which the consumers' setmaxnreg
+  // share (232) holds. f32 output and the register-store fallback store at once.
+  static constexpr bool kDeferredStore = kKind == KernelKind::kPersistent || kKind == KernelKind::kPersistentWait0;
   // wgmma groups left in flight after each K tile; the stage release lags by as many.
   static constexpr int kMmaInFlight = kKind == KernelKind::kPersistentWait0 ? 0 : 1;
   // Tile order: consecutive CTAs sweep this many neighbouring N tiles, then step in M.
@@ -154,6 +162,9 @@ struct GemmConfig {
                 "ping-pong: two f32 warpgroups, plain epilogue, whole tiles");
   static_assert(!kTmaStoreEpilogue || kStoreBuffers >= 1, "no room left for the epilogue's staging buffer");
   static_assert(!kSavesDerivative || kStoreBuffers == 2, "the derivative kind stages C and D side by side");
+  static_assert(!kDeferredStore || (kTmaStoreEpilogue && kProducerWarpgroup && kMmaBlocksM == 1 &&
+                                    !kFusedEpilogue && !kStreamK && !kF16Accumulate),
+                "the deferred store: one f32 row block per warpgroup, plain epilogue, the consumers' extra registers");
   static_assert(!kStagedOperand || kStoreBuffers == kOperandSubtiles, "a store buffer per sub-tile of the operand");
   static_assert(!kProducerWarpgroup || kProducerThreads * kProducerRegisters +
                                                kConsumerWarpgroups * hopper::kWarpgroupSize * kConsumerRegisters <=

@@ -496,9 +496,29 @@ struct TmaStoreEpilogue {
     return row * Cfg::kStoreRowBytes + ((chunk ^ (row % kSwizzleRows)) * kChunkBytes) + byte_col % kChunkBytes;
   }
 
+  // Sub-tile `s` of 16-bit output into `buf` (64 rows x 128 bytes): four 8x8 matrices
+  // per stmatrix.x4 -- column blocks j, j + 1, each as rows 0-7 and 8-15 of the warp's
+  // 16 rows. `word(i)` is accumulator elements i, i + 1 as one packed pair.
+  template <class Word>
+  __device__ static void stage_words(Word word, uint8_t* buf, int s) {
+    constexpr int kBlocks = Cfg::kStoreRowBytes / 2 / Direct::kColsPerBlock;  // 8-column accumulator blocks
+    constexpr int kMatrixRows = 8;
+    const int t = hopper::thread_in_warpgroup();
+    const int warp = t / hopper::kWarpSize;
+    const int lane = t % hopper::kWarpSize;
+    const uint32_t base = hopper::smem_addr(buf);
+    const int matrix = lane / kMatrixRows;
+    const int row = warp * Direct::kRowsPerWarp + (matrix % 2) * Direct::kHalfRows + lane % kMatrixRows;
+#pragma unroll
+    for (int p = 0; p < kBlocks; p += 2) {
+      const int j = s * kBlocks + p;  // first accumulator column block of the pair
+      const int byte_col = (p + matrix / 2) * Direct::kColsPerBlock * 2;
+      hopper::stmatrix_x4(base + swizzled(row, byte_col), word(4 * j), word(4 * j + 2), word(4 * j + 4),
+                          word(4 * j + 6));
+    }
+  }
+
   // Sub-tile `s` of this thread's accumulators into `buf` (64 rows x 128 bytes).
-  // 16-bit output: four 8x8 matrices per stmatrix.x4 -- column blocks j, j + 1, each
-  // as rows 0-7 and 8-15 of the warp's 16 rows.
   template <class Out>
   __device__ static void stage_subtile(const typename Direct::Acc& acc, uint8_t* buf, int s) {
     using Frag = typename Direct::Frag;
@@ -509,17 +529,7 @@ struct TmaStoreEpilogue {
     const int lane = t % hopper::kWarpSize;
     const uint32_t base = hopper::smem_addr(buf);
     if constexpr (sizeof(Out) == 2) {
-      constexpr int kMatrixRows = 8;
-      const int matrix = lane / kMatrixRows;
-      const int row = warp * Direct::kRowsPerWarp + (matrix % 2) * Direct::kHalfRows + lane % kMatrixRows;
-#pragma unroll
-      for (int p = 0; p < kBlocks; p += 2) {
-        const int j = s * kBlocks + p;  // first accumulator column block of the pair
-        const int byte_col = (p + matrix / 2) * Direct::kColsPerBlock * int(sizeof(Out));
-        hopper::stmatrix_x4(base + swizzled(row, byte_col), Frag::template packed<Out>(acc, 4 * j),
-                            Frag::template packed<Out>(acc, 4 * j + 2), Frag::template packed<Out>(acc, 4 * j + 4),
-                            Frag::template packed<Out>(acc, 4 * j + 6));
-      }
+      stage_words([&](int i) { return Frag::template packed<Out>(acc, i); }, buf, s);
     } else {
       const int row = warp * Direct::kRowsPerWarp + lane / 4;
 #pragma unroll
@@ -535,30 +545,84 @@ struct TmaStoreEpilogue {
     }
   }
 
-  // Sub-tile by sub-tile through kStoreBuffers buffers (2; 1 in the f16-accumulating
-  // kind): wait until the store issued kStoreBuffers sub-tiles ago has read its buffer,
-  // fill it, fence it for the async proxy, and let one thread issue its TMA store. The last stores stay in flight while this
-  // warpgroup starts its next tile; `finish` waits for them before the CTA exits.
+  // Sub-tile `s` of an output through buffer s % kStoreBuffers (2; 1 in the
+  // f16-accumulating kind): wait until the store issued kStoreBuffers sub-tiles ago has
+  // read the buffer, fill it (`stage(buf)`), fence it for the async proxy, and let one
+  // thread issue its TMA store to (col, row0). The last stores stay in flight while this
+  // warpgroup goes on; `finish` waits for them before the CTA exits.
+  template <class Stage>
+  __device__ static void store_subtile(Stage stage, Buffers& buffers, const CUtensorMap* tmap_c, int warpgroup,
+                                       int s, int batch, int row0, int col) {
+    const uint32_t barrier = Cfg::kFirstEpilogueBarrier + warpgroup;
+    const bool elected = hopper::thread_in_warpgroup() == 0;
+    uint8_t* buf = buffers[s % Cfg::kStoreBuffers];
+    if (elected) hopper::bulk_wait_group_read<Cfg::kStoreBuffers - 1>();
+    hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
+    stage(buf);
+    hopper::fence_proxy_async_shared();
+    hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
+    if (elected) {
+      hopper::tma_store_3d(tmap_c, buf, col, row0, batch);
+      hopper::bulk_commit_group();
+    }
+  }
+
   template <class Out>
   __device__ static void store_as(const typename Direct::Acc& acc, Buffers& buffers,
                                   const CUtensorMap* tmap_c, int warpgroup, int batch, int row0, int col0) {
     constexpr int kCols = Cfg::kStoreRowBytes / sizeof(Out);
     constexpr int kSubtiles = Cfg::kBlockN / kCols;
-    const uint32_t barrier = Cfg::kFirstEpilogueBarrier + warpgroup;
-    const bool elected = hopper::thread_in_warpgroup() == 0;
 #pragma unroll
-    for (int s = 0; s < kSubtiles; ++s) {
-      uint8_t* buf = buffers[s % Cfg::kStoreBuffers];
-      if (elected) hopper::bulk_wait_group_read<Cfg::kStoreBuffers - 1>();
-      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
-      stage_subtile<Out>(acc, buf, s);
-      hopper::fence_proxy_async_shared();
-      hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
-      if (elected) {
-        hopper::tma_store_3d(tmap_c, buf, col0 + s * kCols, row0, batch);
-        hopper::bulk_commit_group();
-      }
-    }
+    for (int s = 0; s < kSubtiles; ++s)
+      store_subtile([&](uint8_t* buf) { stage_subtile<Out>(acc, buf, s); }, buffers, tmap_c, warpgroup, s, batch,
+                    row0, col0 + s * kCols);
+  }
+
+  // ---- The deferred store (config.cuh: kDeferredStore) ----
+  // A finished tile's 16-bit output waits in `pending` (packed pairs, 64 registers) while
+  // the next tile's mainloop starts: its sub-tile s is staged and stored during that
+  // tile's K tile s, under the MMAs already issued, so the tensor cores wait only for
+  // the packing between tiles instead of the whole staging walk.
+  static constexpr int kPendingCols = Cfg::kStoreRowBytes / 2;
+  static constexpr int kPendingSubtiles = Cfg::kBlockN / kPendingCols;
+  struct Pending {
+    uint32_t words[Cfg::kBlockAccumulatorRegisters / 2];  // words[i]: accumulator elements 2i, 2i + 1
+    int batch, row0, col0;
+    bool valid;
+  };
+
+  __device__ static void defer(const typename Direct::Acc& acc, Pending& pending, int batch, int row0, int col0) {
+    using Frag = typename Direct::Frag;
+#pragma unroll
+    for (int i = 0; i < Cfg::kBlockAccumulatorRegisters / 2; ++i)
+      pending.words[i] = Frag::template packed<typename Cfg::Element>(acc, 2 * i);
+    pending.batch = batch, pending.row0 = row0, pending.col0 = col0, pending.valid = true;
+  }
+
+  __device__ static void store_pending_subtile(const Pending& pending, Buffers& buffers, const CUtensorMap* tmap_c,
+                                               int warpgroup, int s) {
+    store_subtile([&](uint8_t* buf) { stage_words([&](int i) { return pending.words[i / 2]; }, buf, s); }, buffers,
+                  tmap_c, warpgroup, s, pending.batch, pending.row0, pending.col0 + s * kPendingCols);
+  }
+
+  // Run once the MMAs of the next tile's K tile `kt` are issued.
+  __device__ static void store_pending_during(const Pending& pending, Buffers& buffers, const CUtensorMap* tmap_c,
+                                              int warpgroup, int kt) {
+    if (!pending.valid) return;
+#pragma unroll
+    for (int s = 0; s < kPendingSubtiles; ++s)  // a constant s per branch keeps the words in registers
+      if (kt == s) store_pending_subtile(pending, buffers, tmap_c, warpgroup, s);
+  }
+
+  // The sub-tiles from `first` on (those the next tile's K tiles did not cover; all of
+  // them before a tile with no MMAs, and after the last tile).
+  __device__ static void flush(Pending& pending, Buffers& buffers, const CUtensorMap* tmap_c, int warpgroup,
+                               int first) {
+    if (!pending.valid) return;
+#pragma unroll
+    for (int s = 0; s < kPendingSubtiles; ++s)
+      if (s >= first) store_pending_subtile(pending, buffers, tmap_c, warpgroup, s);
+    pending.valid = false;
   }
 
   __device__ static void store(const typename Direct::Acc& acc, Buffers& buffers, const CUtensorMap* tmap_c,

@@ -106,6 +106,8 @@ const char* kind_name(KernelKind kind) {
       return "persistent_fused_grad";
     case KernelKind::kPersistentFusedDerivative:
       return "persistent_fused_derivative";
+    case KernelKind::kPersistentImmediate:
+      return "persistent_immediate";
   }
   return "unknown";
 }

@@ -86,8 +86,11 @@ struct GemmArgs {
 //  kPersistentBasic  register->global epilogue, one producer warp (288 threads)
 //  kPersistentTma    + epilogue staged in shared memory and written by TMA stores
 //                      that overlap the next tile's mainloop
-//  kPersistent       + a producer warpgroup handing registers to the consumers
-//                      (setmaxnreg, 384 threads): the default
+//  kPersistentImmediate + a producer warpgroup handing registers to the consumers
+//                      (setmaxnreg, 384 threads)
+//  kPersistent       + the deferred store: a tile's output is staged and stored
+//                      during the next tile's first K tiles, under its MMAs, in the
+//                      registers setmaxnreg gave: the default
 //  kPersistentWait0  kPersistent with wait_group(0) instead of one wgmma group in flight
 //  kPersistentFused  kPersistent with the fused epilogue (bias, activation, residual)
 //  kPersistentFusedGrad kPersistent with the fused epilogue's backward form, C times
@@ -118,7 +121,8 @@ enum class KernelKind {
   kSmallM,
   kPersistentPingpong,
   kPersistentFusedGrad,
-  kPersistentFusedDerivative
+  kPersistentFusedDerivative,
+  kPersistentImmediate
 };
 
 // Compile-time kernel parameters that are selectable at run time (each choice is an

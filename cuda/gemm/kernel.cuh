@@ -4,7 +4,8 @@
 // After them comes the TMA producer (V5: one warp, threads 256-287; with register
 // reallocation a whole warpgroup of which one thread works). V5 launches one CTA per
 // tile; the persistent kinds launch one CTA per SM (in 2-CTA clusters) and each walks
-// tiles with a grid stride, pipeline state carried on.
+// tiles with a grid stride, pipeline state carried on. The default's consumers store a
+// tile during the next one's first K tiles (the deferred store, epilogue.cuh).
 #pragma once
 #include <cuda.h>
 
@@ -86,6 +87,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     int64_t unit_index = 0;  // this CTA's units so far (ping-pong: whose turn it is)
     int64_t own_units = 0;   // ping-pong: this warpgroup's units so far
     uint32_t operand_phase = 0;  // staged operand: parity of this warpgroup's tiles so far
+    typename TmaStoreEpilogue<Cfg>::Pending pending;  // the deferred store's previous tile
+    pending.valid = false;
     // Ping-pong: the other warpgroup may start its next mainloop. Every thread arrives
     // (not one elected): a phase then also proves that each of this warpgroup's warps
     // passed its own turn wait, so no warp can fall two phases behind (K <= 64 or a
@@ -119,6 +122,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // ping-pong a whole tile past M): no MMAs, no stores. A stream-K finisher and its contributors share a tile, CTA rank
       // and warpgroup, so they skip together (nothing is published or awaited).
       if (row0 >= out.m) {
+        if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, warpgroup, 0);
         Main::pass(pipe, k_tiles, read, Cfg::kFirstEpilogueBarrier + warpgroup);
         hand_over();
         continue;
@@ -133,7 +137,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           Epilogue::load_operand(smem.epilogue.buffers[warpgroup], &tmap_d, &smem.operand.full[warpgroup], row0,
                                  col0);
       };
-      Main::mma(pipe, smem, a_slice, k_tiles, acc, read, hand_over, load_operand);
+      const auto store_pending = [&](int kt) {
+        if constexpr (Cfg::kDeferredStore)
+          Epilogue::store_pending_during(pending, smem.epilogue.buffers[warpgroup], &tmap_c, warpgroup, kt);
+      };
+      Main::mma(pipe, smem, a_slice, k_tiles, acc, read, hand_over, load_operand, store_pending);
+      if constexpr (Cfg::kDeferredStore) {
+        Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, warpgroup, k_tiles);
+        if (out.tma_store && !out.f32) {
+          Epilogue::defer(acc, pending, tile.batch, row0, col0);
+          continue;
+        }
+      }
       if constexpr (Cfg::kStreamK) {
         using Fixup = StreamKFixup<Cfg>;
         if (unit.role == UnitRole::kContributor) {
@@ -174,6 +189,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       }
     }
+    if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, warpgroup, 0);
     if constexpr (Cfg::kTmaStoreEpilogue) Epilogue::finish();
   }
   // No CTA may exit while a peer can still multicast into or arrive on its shared memory.

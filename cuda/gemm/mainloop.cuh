@@ -135,13 +135,16 @@ struct Mainloop {
   // tile kStartedAfter (or of the last, if there are fewer) are issued: the tile is
   // under way, and the previous tile's epilogue a K tile behind (the backward form
   // loads its staged operand there).
+  // `during(kt)` runs once K tile kt's MMAs are committed, before the wait: work there
+  // (the deferred store of the previous tile) overlaps them.
   struct Nothing {
     __device__ void operator()() const {}
+    __device__ void operator()(int) const {}
   };
   static constexpr int kStartedAfter = 1;
-  template <class Issued = Nothing, class Started = Nothing>
+  template <class Issued = Nothing, class Started = Nothing, class During = Nothing>
   __device__ static void mma(const Pipe& pipe, const Storage& smem, int a_slice, int k_tiles, Acc& acc,
-                             State& read, Issued issued = {}, Started started = {}) {
+                             State& read, Issued issued = {}, Started started = {}, During during = {}) {
     const bool elected = hopper::thread_in_warpgroup() == 0;
     const int started_after = k_tiles > kStartedAfter ? kStartedAfter : k_tiles - 1;
     State release = read;  // the stage whose MMA retires next
@@ -150,6 +153,7 @@ struct Mainloop {
       hopper::wgmma_fence();
       mma_k_tile(smem.stages[read.index], a_slice, acc, /*accumulate=*/kt > 0);
       hopper::wgmma_commit_group();
+      during(kt);
       hopper::wgmma_wait_group<Cfg::kMmaInFlight>();
       if (kt >= Cfg::kMmaInFlight) {
         if (elected) pipe.consumer_release(release);
