@@ -142,13 +142,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           Epilogue::store_pending_during(pending, smem.epilogue.buffers[warpgroup], &tmap_c, warpgroup, kt);
       };
       Main::mma(pipe, smem, a_slice, k_tiles, acc, read, hand_over, load_operand, store_pending);
-      if constexpr (Cfg::kDeferredStore) {
+      // What the previous tile left to store goes before any path below leaves the unit.
+      if constexpr (Cfg::kDeferredStore)
         Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, warpgroup, k_tiles);
-        if (out.tma_store && !out.f32) {
-          Epilogue::defer(acc, pending, tile.batch, row0, col0);
-          continue;
-        }
-      }
       if constexpr (Cfg::kStreamK) {
         using Fixup = StreamKFixup<Cfg>;
         if (unit.role == UnitRole::kContributor) {
@@ -177,6 +173,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if constexpr (Cfg::kFusedEpilogue)
           FusedOps<Cfg>::apply(acc, out, row0, col0, bias_pair, smem.fused.bias[warpgroup],
                                Cfg::kFirstEpilogueBarrier + warpgroup);
+        if constexpr (Cfg::kDeferredStore) {
+          if (out.tma_store && !out.f32) {
+            Epilogue::defer(acc, pending, tile.batch, row0, col0);
+            continue;
+          }
+        }
 #pragma unroll
         for (int mb = 0; mb < Cfg::kMmaBlocksM; ++mb) {  // one 64-row block at a time
           const int block_row0 = row0 + mb * Cfg::kMmaM;
