@@ -19,7 +19,7 @@ CASES = [  # (kernel, dtype, batch, m, n, k, transpose_a, transpose_b, out_dtype
     ("persistent_tma", jnp.float16, 0, 300, 520, 200, False, False, jnp.float32),
     ("persistent_wait0", jnp.float16, 0, 129, 264, 72, False, False, None),
     ("persistent_immediate", jnp.float16, 0, 129, 264, 72, False, False, None),
-    # The deferred store over several tiles per CTA: 4 K tiles, rows past M in M tile 2.
+    # The deferred store: 4 K tiles, rows past M in M tile 2 (the second warpgroup flushes only).
     ("persistent", jnp.float16, 0, 300, 8704, 200, False, False, None),
     ("persistent", jnp.bfloat16, 0, 1000, 8448, 72, False, False, None),  # 2 K tiles: 2 sub-tiles flushed
     ("persistent_streamk", jnp.float16, 0, 1000, 3000, 4160, False, False, None),  # tail split over clusters

@@ -96,9 +96,11 @@ def test_selectable_kernels_are_correct(hopper, kernel, stages, dtype, shape):
 
 # The deferred store (config.cuh: kDeferredStore) stages tile i's sub-tile s during tile
 # i + 1's K tile s and the rest after its mainloop: one K tile (three sub-tiles left
-# over), three, many; tiles whose warpgroup has no rows (an odd count of 128-row tiles,
-# and M = 300 whose third M tile leaves the second warpgroup past M) between pending
-# ones; several tiles per CTA in every case, and a batch. Beside the Frobenius bound, an
+# over), three, many; a tile whose second warpgroup has no rows between pending ones
+# (4160 = 32.5 tiles of 128 rows); M = 300, whose last M tile leaves the second
+# warpgroup past M, so only the flush before the pass and after the last tile run
+# there; several tiles per CTA at 8192x8192x64 and 4160x4096x192, one or few in the
+# others, and a batch. Beside the Frobenius bound, an
 # elementwise one: a sub-tile staged from the wrong registers or stored at the wrong
 # place gives errors of the output's own size (|ref| ~ 1 here), far beyond rounding
 # (half an ulp of |ref|: 2^-11 f16, 2^-8 bf16) plus f32 summation noise.

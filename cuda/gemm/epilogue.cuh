@@ -585,6 +585,10 @@ struct TmaStoreEpilogue {
   // the packing between tiles instead of the whole staging walk.
   static constexpr int kPendingCols = Cfg::kStoreRowBytes / 2;
   static constexpr int kPendingSubtiles = Cfg::kBlockN / kPendingCols;
+  // The next tile's sub-tile 0 reuses buffer 0 right after this tile's last sub-tile:
+  // that must be the other buffer, or the wait above would not cover its store.
+  static_assert(!Cfg::kDeferredStore || kPendingSubtiles % Cfg::kStoreBuffers == 0,
+                "consecutive tiles' sub-tiles must alternate staging buffers");
   struct Pending {
     uint32_t words[Cfg::kBlockAccumulatorRegisters / 2];  // words[i]: accumulator elements 2i, 2i + 1
     int batch, row0, col0;
