@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import f32_reference, relative_error, run_into_poison, seed_normal
+from helpers import f32_reference, relative_error, run_into_poison, run_into_poisons, seed_normal
 
 import jax_hopper
 
@@ -75,6 +75,7 @@ def test_output_is_written_into_the_poisoned_buffer(hopper):
 SELECTABLE = [("v5", 2, jnp.float16), ("v5", 3, jnp.float16), ("v5", 4, jnp.float16), ("v5", 4, jnp.bfloat16),
               ("persistent_basic", 4, jnp.float16), ("persistent_tma", 4, jnp.float16),
               ("persistent_wait0", 4, jnp.float16), ("persistent_immediate", 4, jnp.float16),
+              ("persistent_dynamic", 4, jnp.float16),
               ("persistent_streamk", 4, jnp.float16),
               ("small_m", 5, jnp.float16), ("small_m", 5, jnp.bfloat16),
               ("persistent_pingpong", 6, jnp.float16)]  # experimental
@@ -109,7 +110,8 @@ DEFERRED_STORE_SHAPES = [(8192, 8192, 64), (4160, 4096, 192), (300, 8704, 200), 
 
 
 @pytest.mark.parametrize("kernel,dtype", [("persistent", jnp.float16), ("persistent", jnp.bfloat16),
-                                          ("persistent_immediate", jnp.float16)],  # the ablation: f16 only
+                                          ("persistent_immediate", jnp.float16),  # the ablation: f16 only
+                                          ("persistent_dynamic", jnp.float16)],
                          ids=lambda x: getattr(x, "__name__", str(x)))
 @pytest.mark.parametrize("shape", DEFERRED_STORE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_deferred_store_edges(hopper, shape, kernel, dtype):
@@ -125,6 +127,26 @@ def test_deferred_store_edges(hopper, shape, kernel, dtype):
     ulp = 2.0 ** -(10 if dtype == jnp.float16 else 7)
     worst = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref) - ulp * jnp.abs(ref)))
     assert worst <= 1e-3, f"an element is off by {worst:.3e} beyond an ulp of its value"
+
+
+def test_dynamic_tiles_every_call(hopper):
+    # The dynamic order (persistent_dynamic) hands out tiles by ticket from a counter each
+    # call zeroes in its own scratch memory. Three products back to back in one program
+    # (2048x4096: 256 tiles, 128 cluster tiles for 66 clusters, so most are ticketed): a
+    # counter left over from the previous call would skip tiles and leave NaN poison.
+    from jax_hopper._primitive import gemm
+
+    m, n, k = 2048, 4096, 256
+    keys = jax.random.split(jax.random.key(7), 6)
+    xs = [seed_normal(keys[2 * i], (m, k), jnp.float16, k) for i in range(3)]
+    ws = [seed_normal(keys[2 * i + 1], (k, n), jnp.float16, k) for i in range(3)]
+    outs, _ = run_into_poisons(
+        lambda *ops: tuple(gemm(ops[2 * i], ops[2 * i + 1], kernel="persistent_dynamic") for i in range(3)),
+        [(m, n)] * 3, jnp.float16, *[t for pair in zip(xs, ws) for t in pair])
+    for out, x, w in zip(outs, xs, ws):
+        assert not bool(jnp.isnan(out).any())
+        ref = jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+        assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.matmul(x, w), ref)
 
 
 @pytest.mark.parametrize("shape", [(8192, 8192, 64), (4160, 4096, 256), (4096, 4096, 4096)],

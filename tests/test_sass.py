@@ -82,6 +82,7 @@ KIND_EXTRAS = {
     10: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused_grad (the MLP's backward form)
     11: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused_derivative (act and act' written)
     12: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_immediate (the default, stores not deferred)
+    13: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_dynamic (tiles by ticket)
 }
 F16_ACCUMULATION_KIND = 7
 PINGPONG_KIND = 9

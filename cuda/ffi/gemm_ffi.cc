@@ -23,7 +23,8 @@ constexpr KernelKind kKernelKinds[] = {KernelKind::kV5, KernelKind::kPersistent,
                                        KernelKind::kPersistentTma, KernelKind::kPersistentWait0,
                                        KernelKind::kPersistentFused, KernelKind::kPersistentStreamK,
                                        KernelKind::kPersistentF16Acc, KernelKind::kSmallM,
-                                       KernelKind::kPersistentPingpong, KernelKind::kPersistentImmediate};
+                                       KernelKind::kPersistentPingpong, KernelKind::kPersistentImmediate,
+                                       KernelKind::kPersistentDynamic};
 constexpr int32_t kNumKernelKinds = sizeof(kKernelKinds) / sizeof(kKernelKinds[0]);
 
 std::string shape_str(ffi::AnyBuffer::Dimensions d) {

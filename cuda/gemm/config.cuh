@@ -6,6 +6,7 @@
 
 #include "gemm/gemm.h"
 #include "gemm/smem_layout.cuh"
+#include "gemm/tile_scheduler.cuh"
 #include "hopper/warpgroup.cuh"
 
 namespace jax_hopper {
@@ -55,15 +56,18 @@ struct GemmConfig {
   // for warpgroup 0, odd ones for 1 -- so every stage of the ring has one reader per CTA
   // and one warpgroup's epilogue runs while the other's MMAs keep the tensor cores busy.
   static constexpr bool kPingpong = kKind == KernelKind::kPersistentPingpong;
+  // The dynamic tile order (tile_scheduler.cuh: TileTickets): the default kernel with
+  // tiles handed out by a global ticket counter in the order clusters finish.
+  static constexpr bool kDynamicTiles = kKind == KernelKind::kPersistentDynamic;
   static constexpr bool kTmaStoreEpilogue = kKind == KernelKind::kPersistentTma || kKind == KernelKind::kPersistent ||
-                                            kKind == KernelKind::kPersistentImmediate ||
+                                            kKind == KernelKind::kPersistentImmediate || kDynamicTiles ||
                                             kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK ||
                                             kF16Accumulate || kPingpong;
   // A whole producer warpgroup (only one thread issues TMA) so that setmaxnreg, which
   // works per warpgroup, can move registers from the producer to the consumers.
   // (Not for the small-M kind: one consumer warpgroup has registers to spare.)
   static constexpr bool kProducerWarpgroup = kKind == KernelKind::kPersistent ||
-                                             kKind == KernelKind::kPersistentImmediate ||
+                                             kKind == KernelKind::kPersistentImmediate || kDynamicTiles ||
                                              kKind == KernelKind::kPersistentWait0 || kFusedEpilogue ||
                                              kKind == KernelKind::kPersistentStreamK || kF16Accumulate || kPingpong;
   // The deferred store (epilogue.cuh): a tile's 16-bit output is packed into registers
@@ -71,7 +75,8 @@ struct GemmConfig {
   // of between the two tiles while the tensor cores wait. The packed tile (64 registers)
   // sits next to the next tile's 128 f32 accumulators, which the consumers' setmaxnreg
   // share (232) holds. f32 output and the register-store fallback store at once.
-  static constexpr bool kDeferredStore = kKind == KernelKind::kPersistent || kKind == KernelKind::kPersistentWait0;
+  static constexpr bool kDeferredStore =
+      kKind == KernelKind::kPersistent || kKind == KernelKind::kPersistentWait0 || kDynamicTiles;
   // wgmma groups left in flight after each K tile; the stage release lags by as many.
   static constexpr int kMmaInFlight = kKind == KernelKind::kPersistentWait0 ? 0 : 1;
   // Tile order: consecutive CTAs sweep this many neighbouring N tiles, then step in M.
@@ -165,6 +170,8 @@ struct GemmConfig {
   static_assert(!kDeferredStore || (kTmaStoreEpilogue && kProducerWarpgroup && kMmaBlocksM == 1 &&
                                     !kFusedEpilogue && !kStreamK && !kF16Accumulate),
                 "the deferred store: one f32 row block per warpgroup, plain epilogue, the consumers' extra registers");
+  static_assert(!kDynamicTiles || (kPersistent && !kStreamK && !kPingpong && kClusterM == 2),
+                "the dynamic order hands whole tiles to 2-CTA clusters");
   static_assert(!kStagedOperand || kStoreBuffers == kOperandSubtiles, "a store buffer per sub-tile of the operand");
   static_assert(!kProducerWarpgroup || kProducerThreads * kProducerRegisters +
                                                kConsumerWarpgroups * hopper::kWarpgroupSize * kConsumerRegisters <=
@@ -218,6 +225,14 @@ struct ColumnSumStorage {
 template <class Cfg>
 struct ColumnSumStorage<Cfg, false> {};
 
+// The dynamic tile order's per-stage tile slots and producer mailbox.
+template <class Cfg, bool = Cfg::kDynamicTiles>
+struct TicketStorageOf {
+  TicketStorage<Cfg::kStages> tickets;
+};
+template <class Cfg>
+struct TicketStorageOf<Cfg, false> {};
+
 template <class Cfg>
 struct SharedStorage {
   struct alignas(kSmemAlignment) Stage {
@@ -232,6 +247,7 @@ struct SharedStorage {
   ColumnSumStorage<Cfg> column_sums;
   uint64_t full[Cfg::kStages];   // TMA -> consumers: the stage holds fresh data
   uint64_t empty[Cfg::kStages];  // consumers -> TMA: the stage may be overwritten
+  TicketStorageOf<Cfg> dynamic;  // last: the other kinds' offsets stay as they were
 };
 
 // Dynamic shared memory requested at launch: the storage plus slack to align its base.

@@ -109,6 +109,9 @@ struct GemmArgs {
 //                      tiles (the CTA's even and odd ones), so one warpgroup's epilogue
 //                      runs under the other's MMAs (one of cuBLASLt's 4096^3 candidates);
 //                      measured slower than kPersistent (BENCHMARKS.md)
+//  kPersistentDynamic EXPERIMENTAL: kPersistent with tiles handed out by a global ticket
+//                      counter in the order clusters finish (cuBLASLt's order), not a
+//                      static grid stride (tile_scheduler.cuh: TileTickets)
 enum class KernelKind {
   kV5,
   kPersistent,
@@ -122,7 +125,8 @@ enum class KernelKind {
   kPersistentPingpong,
   kPersistentFusedGrad,
   kPersistentFusedDerivative,
-  kPersistentImmediate
+  kPersistentImmediate,
+  kPersistentDynamic
 };
 
 // Compile-time kernel parameters that are selectable at run time (each choice is an

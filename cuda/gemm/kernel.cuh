@@ -34,9 +34,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                 const __grid_constant__ CUtensorMap tmap_c, const OutputParams out, const WorkList work,
                 const SchedulerOf<Cfg> scheduler, const StreamKParams stream_k,
-                const __grid_constant__ CUtensorMap tmap_d) {  // the derivative kind's D, or the backward
-                                                               // form's staged operand (last: the other
-                                                               // parameters keep their offsets)
+                const __grid_constant__ CUtensorMap tmap_d,  // the derivative kind's D, or the backward
+                                                             // form's staged operand
+                uint32_t* tile_counter) {  // the dynamic order's tickets, zeroed per call
+                                           // (the last two: the other parameters keep their offsets)
   using Main = Mainloop<Cfg>;
   extern __shared__ uint8_t smem_raw[];
   const uintptr_t base = reinterpret_cast<uintptr_t>(smem_raw);
@@ -49,7 +50,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         hopper::mbarrier_init(&smem.turns.turn[w], hopper::kWarpgroupSize);
     if constexpr (Cfg::kStagedOperand)
       for (int w = 0; w < Cfg::kConsumerWarpgroups; ++w) hopper::mbarrier_init(&smem.operand.full[w], 1);
-    pipe.init(Cfg::kStageReaders * Cfg::kClusterM);  // its fence covers the turn and operand barriers too
+    if constexpr (Cfg::kDynamicTiles) TileTickets<Cfg::kStages, Cfg::kClusterM>::init(smem.dynamic.tickets);
+    pipe.init(Cfg::kStageReaders * Cfg::kClusterM);  // its fence covers the turn, operand and mailbox barriers too
   }
   // Peers signal this CTA's barriers: they must all be initialised cluster-wide first.
   if constexpr (Cfg::kClusterM > 1) {
@@ -73,17 +75,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       hopper::tma_prefetch_descriptor(&tmap_a);
       hopper::tma_prefetch_descriptor(&tmap_b);
       auto st = producer_start_state<Cfg::kStages>();
-      WorkCursor<Cfg::kStreamK> cursor(work, cluster);
-      for (WorkUnit unit; cursor.next(unit);)
-        Main::load(pipe, smem, &tmap_a, &tmap_b, scheduler.tile(unit.tile, cta_rank), unit.k_begin, unit.k_end,
-                   cta_rank, st);
-      Main::drain(pipe, st);
+      if constexpr (Cfg::kDynamicTiles) {
+        auto& slots = smem.dynamic.tickets;
+        TileTickets<Cfg::kStages, Cfg::kClusterM> tickets(slots, tile_counter, work.num_tiles, work.clusters, cluster,
+                                                          cta_rank);
+        for (int32_t t; (t = tickets.next()) != kNoTile;)  // the host checked that tiles fit in int32
+          Main::load(pipe, smem, &tmap_a, &tmap_b, scheduler.tile(t, cta_rank), 0, work.k_tiles, cta_rank, st,
+                     [&slots, t](int index) { slots.stage_tile[index] = t; });
+        // The end mark: a fresh stage without loads, whose phase this arrival completes.
+        pipe.producer_acquire(st);
+        slots.stage_tile[st.index] = kNoTile;
+        hopper::mbarrier_arrive(pipe.producer_barrier(st));
+        st.advance();
+        Main::drain(pipe, st, Cfg::kStages - 1);  // the end mark's stage is acquired already
+      } else {
+        WorkCursor<Cfg::kStreamK> cursor(work, cluster);
+        for (WorkUnit unit; cursor.next(unit);)
+          Main::load(pipe, smem, &tmap_a, &tmap_b, scheduler.tile(unit.tile, cta_rank), unit.k_begin, unit.k_end,
+                     cta_rank, st);
+        Main::drain(pipe, st);
+      }
     }
   } else {
     if constexpr (Cfg::kProducerWarpgroup) hopper::setmaxnreg_inc<Cfg::kConsumerRegisters>();
     using Epilogue = EpilogueOf<Cfg>;
     auto read = consumer_start_state<Cfg::kStages>();
-    WorkCursor<Cfg::kStreamK> cursor(work, cluster);
+    auto cursor = [&] {
+      if constexpr (Cfg::kDynamicTiles) {
+        return StageTileCursor<typename Main::Pipe, typename Main::State>{pipe, smem.dynamic.tickets.stage_tile, read,
+                                                                          work.k_tiles};
+      } else {
+        return WorkCursor<Cfg::kStreamK>(work, cluster);
+      }
+    }();
     int64_t unit_index = 0;  // this CTA's units so far (ping-pong: whose turn it is)
     int64_t own_units = 0;   // ping-pong: this warpgroup's units so far
     uint32_t operand_phase = 0;  // staged operand: parity of this warpgroup's tiles so far
@@ -112,7 +136,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           hopper::mbarrier_wait(&smem.turns.turn[warpgroup], static_cast<uint32_t>((handovers_needed - 1) & 1));
         ++own_units;
       }
-      const TileCoord tile = scheduler.tile(unit.tile, cta_rank);
+      const TileCoord tile = Cfg::kDynamicTiles ? scheduler.tile(static_cast<int32_t>(unit.tile), cta_rank)
+                                                : scheduler.tile(unit.tile, cta_rank);
       // Cooperative kinds: this warpgroup's rows of the tile (and A's 64-row slice);
       // ping-pong: the whole tile.
       const int a_slice = Cfg::kPingpong ? 0 : warpgroup;

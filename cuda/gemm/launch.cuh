@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <atomic>
 #include <string>
 
@@ -150,6 +151,17 @@ Status prepare_stream_k(const GemmArgs& args, cudaStream_t stream, WorkList* wor
   return st;
 }
 
+// The dynamic order's ticket counter, zeroed in the call's scratch memory (stream
+// ordered before the launch). Tiles travel as int32 through shared memory.
+inline Status prepare_tile_counter(const GemmArgs& args, cudaStream_t stream, const WorkList& work,
+                                   uint32_t** counter) {
+  if (work.num_tiles > INT32_MAX) return Status::Invalid("too many output tiles for the dynamic order");
+  void* memory = args.allocate_workspace ? args.allocate_workspace(sizeof(uint32_t)) : nullptr;
+  if (memory == nullptr) return Status::Internal("dynamic tiles: no workspace for the ticket counter");
+  *counter = static_cast<uint32_t*>(memory);
+  return cuda_status(cudaMemsetAsync(memory, 0, sizeof(uint32_t), stream), "zeroing the ticket counter");
+}
+
 template <class Cfg>
 Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   CUtensorMap tmap_a, tmap_b, tmap_c = {};
@@ -214,6 +226,11 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
     st = prepare_stream_k<Cfg>(args, stream, &work, &stream_k);
     if (!st.ok()) return st;
   }
+  uint32_t* tile_counter = nullptr;
+  if constexpr (Cfg::kDynamicTiles) {
+    st = prepare_tile_counter(args, stream, work, &tile_counter);
+    if (!st.ok()) return st;
+  }
 
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attr[1];
@@ -227,7 +244,7 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   config.attrs = attr;
   config.numAttrs = Cfg::kClusterM > 1 ? 1 : 0;
   return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, tmap_c, out, work, scheduler, stream_k,
-                                        tmap_d),
+                                        tmap_d, tile_counter),
                      "gemm kernel launch");
 }
 

@@ -42,10 +42,15 @@ struct Mainloop {
 
   // K tiles [k_begin, k_end) of one output tile. `st` carries on across tiles, so a
   // persistent CTA's producer runs ahead into the next tile while the consumers finish
-  // this one.
+  // this one. `first_stage(index)` runs once the first K tile's stage is acquired, before
+  // its arrival (the dynamic order writes the tile there for the consumers).
+  struct NoStageMark {
+    __device__ void operator()(int) const {}
+  };
+  template <class FirstStage = NoStageMark>
   __device__ static void load(const Pipe& pipe, Storage& smem, const CUtensorMap* tmap_a,
                               const CUtensorMap* tmap_b, TileCoord tile, int k_begin, int k_end, int cta_rank,
-                              State& st) {
+                              State& st, FirstStage first_stage = {}) {
     const int m0 = tile.m_block * Cfg::kBlockM;
     const int n0 = tile.n_block * Cfg::kBlockN;
     // This CTA's share of B, delivered to every CTA of the cluster.
@@ -53,6 +58,7 @@ struct Mainloop {
     const int first_b_box = cta_rank * LayoutB::kBoxesPerCta;
     for (int kt = k_begin; kt < k_end; ++kt) {
       pipe.producer_acquire(st);
+      if (kt == k_begin) first_stage(st.index);
       // Out-of-bounds parts of a box are zero-filled and still count toward the bytes;
       // the peers' shares of B land on this CTA's barrier too.
       pipe.producer_expect(st, Cfg::kStageBytes);
@@ -65,9 +71,10 @@ struct Mainloop {
   }
 
   // Drain: one more acquire per stage waits for the consumers' last release of every
-  // stage still in use, so this warp never exits with arrivals on its ring outstanding.
-  __device__ static void drain(const Pipe& pipe, State& st) {
-    for (int s = 0; s < Cfg::kStages; ++s) {
+  // stage still in use, so this warp never exits with arrivals on its ring outstanding
+  // (`stages` fewer than all when the caller acquired some itself).
+  __device__ static void drain(const Pipe& pipe, State& st, int stages = Cfg::kStages) {
+    for (int s = 0; s < stages; ++s) {
       pipe.producer_acquire(st);
       st.advance();
     }

@@ -7,6 +7,9 @@
 #pragma once
 #include <cstdint>
 
+#include "hopper/cluster.cuh"
+#include "hopper/mbarrier.cuh"
+
 namespace jax_hopper {
 
 struct TileCoord {
@@ -27,9 +30,13 @@ struct SwizzledTileScheduler {
   __host__ __device__ int64_t num_tiles() const { return tiles_per_batch() * batch; }
 
   // Batches are taken one after another; the swizzled order applies within each.
-  __device__ TileCoord tile(int64_t index, int cta_rank) const {
-    const int b = static_cast<int>(index / tiles_per_batch());
-    const int linear = static_cast<int>(index - b * tiles_per_batch());
+  // `Index`: int64_t, or int32_t where the caller knows the tiles fit (32-bit division
+  // is inlined; the 64-bit one is a call, whose return address spills in the producer).
+  template <class Index>
+  __device__ TileCoord tile(Index index, int cta_rank) const {
+    const Index per_batch = static_cast<Index>(tiles_per_batch());
+    const int b = static_cast<int>(index / per_batch);
+    const int linear = static_cast<int>(index - b * per_batch);
     const int num_m = num_m_groups();
     const int group_size = num_m * kRasterSwizzle;
     const int group = linear / group_size;
@@ -136,6 +143,98 @@ struct WorkCursor {
       }
     }
     return false;
+  }
+};
+
+}  // namespace jax_hopper
+
+namespace jax_hopper {
+
+// ---- The dynamic tile order (kind kPersistentDynamic) ---------------------------------
+// With the static grid stride, CTAs drift apart (SM active cycles spread 7% at 8192^3),
+// so clusters that share an operand stop reading it together: cuBLASLt hands tiles out
+// in the order clusters finish instead, which kept its reads merged in L2 and its clock
+// up (BENCHMARKS.md, 2026-11-30 18:37). Here, cluster q starts with tile q; each later
+// tile is C + a ticket from a global counter (zeroed by the host per call), which the
+// cluster's rank-0 producer takes one tile ahead, so the atomic's round trip hides
+// under a tile's loads. It hands each tile to rank 1's producer through a one-slot
+// mailbox in rank 1's shared memory, and each producer writes the tile into the stage
+// that holds its first K tile, where the consumers read it after the wait they do
+// anyway (a fresh stage after the last tile carries kNoTile). So no consumer pays a
+// fence or an extra barrier per tile.
+constexpr int32_t kNoTile = -1;
+
+template <int kStages>
+struct TicketStorage {
+  int32_t stage_tile[kStages];  // the tile whose first K tile the stage holds
+  int32_t mailbox;              // rank 1: the cluster's next tile
+  uint64_t mailbox_full;        // rank 1's: rank 0 stored the mailbox (release.cluster)
+  uint64_t mailbox_empty;       // rank 0's: rank 1 has read it
+};
+
+// Producer side: the cluster's tiles in order, the same on both ranks; kNoTile at the end.
+template <int kStages, int kClusterSize>
+struct TileTickets {
+  TicketStorage<kStages>& slots;
+  uint32_t* counter;
+  int64_t num_tiles, clusters;
+  int cta_rank;
+  int64_t next_tile;     // rank 0: the tile after the current one, from its ticket
+  uint32_t handovers = 0;
+
+  __device__ TileTickets(TicketStorage<kStages>& s, uint32_t* c, int64_t tiles, int64_t cl, int64_t cluster,
+                         int rank)
+      : slots(s), counter(c), num_tiles(tiles), clusters(cl), cta_rank(rank), next_tile(cluster) {}
+
+  // Barrier init (one thread, before the cluster sync that publishes it).
+  __device__ static void init(TicketStorage<kStages>& s) {
+    hopper::mbarrier_init(&s.mailbox_full, 1);
+    hopper::mbarrier_init(&s.mailbox_empty, 1);
+  }
+
+  __device__ int32_t next() {
+    int32_t tile;
+    if (cta_rank == 0) {
+      tile = next_tile < num_tiles ? static_cast<int32_t>(next_tile) : kNoTile;
+      // The ticket for the tile after this one; its value is first used a tile later.
+      if (tile != kNoTile) next_tile = clusters + atomicAdd(counter, 1u);
+      if constexpr (kClusterSize > 1) {
+        static_assert(kClusterSize == 2, "one mailbox: rank 0 feeds rank 1");
+        // Producer-start parity: the first wait passes on the fresh barrier.
+        hopper::mbarrier_wait_acquire_cluster(&slots.mailbox_empty, (handovers & 1) ^ 1);
+        hopper::store_cluster_u32(&slots.mailbox, 1, static_cast<uint32_t>(tile));
+        hopper::mbarrier_arrive_cluster_release(&slots.mailbox_full, 1);
+      }
+    } else {
+      hopper::mbarrier_wait_acquire_cluster(&slots.mailbox_full, handovers & 1);
+      tile = *static_cast<volatile int32_t*>(&slots.mailbox);
+      hopper::mbarrier_arrive_cluster_release(&slots.mailbox_empty, 0);
+    }
+    ++handovers;
+    return tile;
+  }
+};
+
+// Consumer side: waits for the stage of the next tile's first K tile (the mainloop's
+// own wait on it then passes at once) and reads the tile the producer left there.
+template <class Pipe, class State>
+struct StageTileCursor {
+  const Pipe& pipe;
+  const int32_t* stage_tile;
+  const State& read;  // the consumer's ring cursor, advanced by the mainloop
+  int k_tiles;
+
+  __device__ bool next(WorkUnit& unit) const {
+    pipe.consumer_wait(read);
+    // A 32-bit shared-window load (not a generic one), reduced over the warp (all lanes
+    // hold the same value): redux.sync's result is a uniform register, so the loop exit
+    // is provably warp-uniform and the ring cursor, hence the wgmma descriptors, stay in
+    // uniform registers. (A shfl from lane 0 was not enough: ptxas moved the descriptors
+    // to vector registers, and the consumers spilled.)
+    const int32_t tile = __reduce_max_sync(0xffffffffu, hopper::load_shared_s32(&stage_tile[read.index]));
+    if (tile == kNoTile) return false;
+    unit = WorkUnit{tile, 0, k_tiles, UnitRole::kWhole};
+    return true;
   }
 };
 

@@ -36,4 +36,30 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t 
       : "memory");
 }
 
+// The dynamic tile order's hand-over between the two producers (tile_scheduler.cuh:
+// TileTickets): a store into the peer's shared memory, published by an arrival with
+// cluster-scope release that the peer's cluster-scope acquire wait (mbarrier.cuh) pairs
+// with. Once per tile on one thread, so the release's fence is off the MMAs' path.
+__device__ __forceinline__ void store_cluster_u32(const void* local, uint32_t cta, uint32_t value) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "st.shared::cluster.u32 [remote], %2;\n"
+      "}\n" ::"r"(smem_addr(local)),
+      "r"(cta), "r"(value)
+      : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive_cluster_release(uint64_t* bar, uint32_t cta) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(cta)
+      : "memory");
+}
+
 }  // namespace jax_hopper::hopper
