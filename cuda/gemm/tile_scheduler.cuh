@@ -158,7 +158,7 @@ namespace jax_hopper {
 // tile is C + a ticket from a global counter (zeroed by the host per call), which the
 // cluster's rank-0 producer takes one tile ahead, so the atomic's round trip hides
 // under a tile's loads. It hands each tile to rank 1's producer through a one-slot
-// mailbox in rank 1's shared memory, and each producer writes the tile into the stage
+// mailbox in rank 1's shared memory (st.async: no fence), and each producer writes the tile into the stage
 // that holds its first K tile, where the consumers read it after the wait they do
 // anyway (a fresh stage after the last tile carries kNoTile). So no consumer pays a
 // fence or an extra barrier per tile.
@@ -168,7 +168,7 @@ template <int kStages>
 struct TicketStorage {
   int32_t stage_tile[kStages];  // the tile whose first K tile the stage holds
   int32_t mailbox;              // rank 1: the cluster's next tile
-  uint64_t mailbox_full;        // rank 1's: rank 0 stored the mailbox (release.cluster)
+  uint64_t mailbox_full;        // rank 1's: its own arrival + the 4 bytes rank 0 stores
   uint64_t mailbox_empty;       // rank 0's: rank 1 has read it
 };
 
@@ -201,14 +201,16 @@ struct TileTickets {
       if constexpr (kClusterSize > 1) {
         static_assert(kClusterSize == 2, "one mailbox: rank 0 feeds rank 1");
         // Producer-start parity: the first wait passes on the fresh barrier.
-        hopper::mbarrier_wait_acquire_cluster(&slots.mailbox_empty, (handovers & 1) ^ 1);
-        hopper::store_cluster_u32(&slots.mailbox, 1, static_cast<uint32_t>(tile));
-        hopper::mbarrier_arrive_cluster_release(&slots.mailbox_full, 1);
+        hopper::mbarrier_wait(&slots.mailbox_empty, (handovers & 1) ^ 1);
+        hopper::store_async_cluster_u32(&slots.mailbox, 1, static_cast<uint32_t>(tile), &slots.mailbox_full);
       }
     } else {
-      hopper::mbarrier_wait_acquire_cluster(&slots.mailbox_full, handovers & 1);
-      tile = *static_cast<volatile int32_t*>(&slots.mailbox);
-      hopper::mbarrier_arrive_cluster_release(&slots.mailbox_empty, 0);
+      hopper::mbarrier_arrive_expect_tx(&slots.mailbox_full, sizeof(int32_t));
+      hopper::mbarrier_wait(&slots.mailbox_full, handovers & 1);
+      tile = hopper::load_shared_s32(&slots.mailbox);
+      // Read: rank 0 may refill it (a plain remote arrival after an ordinary shared
+      // load, as CUTLASS's pipelines release a consumed slot).
+      hopper::mbarrier_arrive_cluster(&slots.mailbox_empty, 0);
     }
     ++handovers;
     return tile;

@@ -36,29 +36,21 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t 
       : "memory");
 }
 
-// The dynamic tile order's hand-over between the two producers (tile_scheduler.cuh:
-// TileTickets): a store into the peer's shared memory, published by an arrival with
-// cluster-scope release that the peer's cluster-scope acquire wait (mbarrier.cuh) pairs
-// with. Once per tile on one thread, so the release's fence is off the MMAs' path.
-__device__ __forceinline__ void store_cluster_u32(const void* local, uint32_t cta, uint32_t value) {
+// Stores `value` into the word at `word`'s offset in CTA `cta`, as 4 transaction bytes
+// completed on the mbarrier at `bar`'s offset there (st.async): the peer reads it after
+// its wait on that barrier, as it would TMA data. A store plus a cluster-scope release
+// arrival would do the same with a MEMBAR.ALL.GPU each time (measured: the dynamic tile
+// order's producers then stalled at every tile).
+__device__ __forceinline__ void store_async_cluster_u32(const void* word, uint32_t cta, uint32_t value,
+                                                        uint64_t* bar) {
   asm volatile(
       "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "st.shared::cluster.u32 [remote], %2;\n"
-      "}\n" ::"r"(smem_addr(local)),
-      "r"(cta), "r"(value)
-      : "memory");
-}
-
-__device__ __forceinline__ void mbarrier_arrive_cluster_release(uint64_t* bar, uint32_t cta) {
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(cta)
+      ".reg .b32 remote_word, remote_bar;\n"
+      "mapa.shared::cluster.u32 remote_word, %0, %2;\n"
+      "mapa.shared::cluster.u32 remote_bar, %1, %2;\n"
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [remote_word], %3, [remote_bar];\n"
+      "}\n" ::"r"(smem_addr(word)),
+      "r"(smem_addr(bar)), "r"(cta), "r"(value)
       : "memory");
 }
 

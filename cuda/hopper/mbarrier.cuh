@@ -52,18 +52,4 @@ __device__ __forceinline__ int32_t load_shared_s32(const int32_t* ptr) {
   return value;
 }
 
-// mbarrier_wait with cluster-scope acquire: what a peer CTA stored before its
-// release arrival on this barrier (cluster.cuh) is visible after it.
-__device__ __forceinline__ void mbarrier_wait_acquire_cluster(uint64_t* bar, uint32_t phase) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(phase)
-      : "memory");
-}
-
 }  // namespace jax_hopper::hopper
