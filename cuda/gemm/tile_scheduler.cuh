@@ -197,7 +197,8 @@ struct TileTickets {
     if (cta_rank == 0) {
       tile = next_tile < num_tiles ? static_cast<int32_t>(next_tile) : kNoTile;
       // The ticket for the tile after this one; its value is first used a tile later.
-      if (tile != kNoTile) next_tile = clusters + atomicAdd(counter, 1u);
+      // With no more tiles than clusters there are no tickets (and no counter).
+      if (tile != kNoTile) next_tile = num_tiles > clusters ? clusters + atomicAdd(counter, 1u) : num_tiles;
       if constexpr (kClusterSize > 1) {
         static_assert(kClusterSize == 2, "one mailbox: rank 0 feeds rank 1");
         // Producer-start parity: the first wait passes on the fresh barrier.
