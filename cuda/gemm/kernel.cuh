@@ -81,11 +81,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                                           cta_rank);
         for (int32_t t; (t = tickets.next()) != kNoTile;)  // the host checked that tiles fit in int32
           Main::load(pipe, smem, &tmap_a, &tmap_b, scheduler.tile(t, cta_rank), 0, work.k_tiles, cta_rank, st,
-                     [&slots, t](int index) { slots.stage_tile[index] = t; });
-        // The end mark: a fresh stage without loads, whose phase this arrival completes.
+                     [&slots, t, cta_rank](int index, uint64_t* bar) {
+                       return mark_stage(slots, index, t, static_cast<uint32_t>(cta_rank), bar);
+                     });
+        // The end mark: a fresh stage with no loads, only the mark.
         pipe.producer_acquire(st);
-        slots.stage_tile[st.index] = kNoTile;
-        hopper::mbarrier_arrive(pipe.producer_barrier(st));
+        uint64_t* bar = pipe.producer_barrier(st);
+        pipe.producer_expect(st, mark_stage(slots, st.index, kNoTile, static_cast<uint32_t>(cta_rank), bar));
         st.advance();
         Main::drain(pipe, st, Cfg::kStages - 1);  // the end mark's stage is acquired already
       } else {

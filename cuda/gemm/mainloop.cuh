@@ -42,10 +42,11 @@ struct Mainloop {
 
   // K tiles [k_begin, k_end) of one output tile. `st` carries on across tiles, so a
   // persistent CTA's producer runs ahead into the next tile while the consumers finish
-  // this one. `first_stage(index)` runs once the first K tile's stage is acquired, before
-  // its arrival (the dynamic order writes the tile there for the consumers).
+  // this one. `first_stage(index, full_barrier)` runs once the first K tile's stage is
+  // acquired and returns the transaction bytes it adds to the stage's (the dynamic order
+  // stores the tile there for the consumers, completing on the stage's barrier).
   struct NoStageMark {
-    __device__ void operator()(int) const {}
+    __device__ uint32_t operator()(int, uint64_t*) const { return 0; }
   };
   template <class FirstStage = NoStageMark>
   __device__ static void load(const Pipe& pipe, Storage& smem, const CUtensorMap* tmap_a,
@@ -58,12 +59,12 @@ struct Mainloop {
     const int first_b_box = cta_rank * LayoutB::kBoxesPerCta;
     for (int kt = k_begin; kt < k_end; ++kt) {
       pipe.producer_acquire(st);
-      if (kt == k_begin) first_stage(st.index);
+      uint64_t* bar = pipe.producer_barrier(st);
+      const uint32_t marked = kt == k_begin ? first_stage(st.index, bar) : 0;
       // Out-of-bounds parts of a box are zero-filled and still count toward the bytes;
       // the peers' shares of B land on this CTA's barrier too.
-      pipe.producer_expect(st, Cfg::kStageBytes);
+      pipe.producer_expect(st, Cfg::kStageBytes + marked);
       auto& stage = smem.stages[st.index];
-      uint64_t* bar = pipe.producer_barrier(st);
       load_tile<LayoutA>(stage.a, tmap_a, bar, m0, kt * Cfg::kBlockK, tile.batch, 0, 0);
       load_tile<LayoutB>(stage.b, tmap_b, bar, n0, kt * Cfg::kBlockK, tile.batch, first_b_box, kClusterMask);
       st.advance();

@@ -218,6 +218,17 @@ struct TileTickets {
   }
 };
 
+// Producer side: writes tile `tile` into stage `index`'s slot as 4 transaction bytes
+// completing on the stage's full barrier (st.async to this CTA), so the consumers read it
+// after their wait exactly as they read the stage's TMA data, and the next overwrite is
+// ordered after their release the same way. Returns the bytes to expect.
+template <int kStages>
+__device__ uint32_t mark_stage(TicketStorage<kStages>& slots, int index, int32_t tile, uint32_t own_rank,
+                               uint64_t* full_barrier) {
+  hopper::store_async_cluster_u32(&slots.stage_tile[index], own_rank, static_cast<uint32_t>(tile), full_barrier);
+  return sizeof(int32_t);
+}
+
 // Consumer side: waits for the stage of the next tile's first K tile (the mainloop's
 // own wait on it then passes at once) and reads the tile the producer left there.
 template <class Pipe, class State>
