@@ -207,7 +207,7 @@ struct TileTickets {
       }
     } else {
       hopper::mbarrier_arrive_expect_tx(&slots.mailbox_full, sizeof(int32_t));
-      hopper::mbarrier_wait(&slots.mailbox_full, handovers & 1);
+      hopper::mbarrier_wait_cluster(&slots.mailbox_full, handovers & 1);
       tile = hopper::load_shared_s32(&slots.mailbox);
       // Read: rank 0 may refill it (a plain remote arrival after an ordinary shared
       // load, as CUTLASS's pipelines release a consumed slot).

@@ -44,6 +44,20 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
       : "memory");
 }
 
+// mbarrier_wait with cluster-scope acquire: what a peer CTA's thread released onto this
+// barrier (st.async's complete-tx is a cluster-scope release) is visible after it.
+__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t phase) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(phase)
+      : "memory");
+}
+
 // A plain shared-memory load through the 32-bit shared window; volatile, so it stays
 // after the barrier wait that makes the value visible.
 __device__ __forceinline__ int32_t load_shared_s32(const int32_t* ptr) {
