@@ -133,16 +133,19 @@ def test_dynamic_tiles_every_call(hopper):
     # The dynamic order (persistent_dynamic) hands out tiles by ticket from a counter each
     # call zeroes in its own scratch memory. Three products back to back in one program
     # (2048x4096: 256 tiles, 128 cluster tiles for 66 clusters, so most are ticketed): a
-    # counter left over from the previous call would skip tiles and leave NaN poison.
+    # counter not zeroed would start where the previous call's ended (128) if XLA gives
+    # this call the same scratch, skip tiles and leave NaN poison. (If XLA handed out
+    # fresh zeroed memory instead, the test could not see a missing memset.)
     from jax_hopper._primitive import gemm
 
     m, n, k = 2048, 4096, 256
     keys = jax.random.split(jax.random.key(7), 6)
     xs = [seed_normal(keys[2 * i], (m, k), jnp.float16, k) for i in range(3)]
     ws = [seed_normal(keys[2 * i + 1], (k, n), jnp.float16, k) for i in range(3)]
-    outs, _ = run_into_poisons(
+    outs, aliased = run_into_poisons(
         lambda *ops: tuple(gemm(ops[2 * i], ops[2 * i + 1], kernel="persistent_dynamic") for i in range(3)),
         [(m, n)] * 3, jnp.float16, *[t for pair in zip(xs, ws) for t in pair])
+    assert aliased, "XLA did not alias the donated NaN buffers to the outputs"
     for out, x, w in zip(outs, xs, ws):
         assert not bool(jnp.isnan(out).any())
         ref = jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
