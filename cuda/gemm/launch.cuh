@@ -4,8 +4,8 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
 #include <string>
 
 #include "gemm/config.cuh"

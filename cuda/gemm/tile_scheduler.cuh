@@ -146,10 +146,6 @@ struct WorkCursor {
   }
 };
 
-}  // namespace jax_hopper
-
-namespace jax_hopper {
-
 // ---- The dynamic tile order (kind kPersistentDynamic) ---------------------------------
 // With the static grid stride, CTAs drift apart (SM active cycles spread 7% at 8192^3),
 // so clusters that share an operand stop reading it together: cuBLASLt hands tiles out
@@ -158,10 +154,10 @@ namespace jax_hopper {
 // tile is C + a ticket from a global counter (zeroed by the host per call), which the
 // cluster's rank-0 producer takes one tile ahead, so the atomic's round trip hides
 // under a tile's loads. It hands each tile to rank 1's producer through a one-slot
-// mailbox in rank 1's shared memory (st.async: no fence), and each producer writes the tile into the stage
-// that holds its first K tile, where the consumers read it after the wait they do
-// anyway (a fresh stage after the last tile carries kNoTile). So no consumer pays a
-// fence or an extra barrier per tile.
+// mailbox in rank 1's shared memory (st.async, no fence), and each producer writes the
+// tile into the stage that holds its first K tile, where the consumers read it after
+// the wait they do anyway (a fresh stage after the last tile carries kNoTile). So no
+// consumer pays a fence or an extra barrier per tile.
 constexpr int32_t kNoTile = -1;
 
 template <int kStages>
