@@ -30,17 +30,17 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # Kernel kinds, as the FFI handler numbers them (cuda/gemm/gemm.h: KernelKind): the
 # seed's V5 (one CTA per tile); the persistent kernel (one CTA per SM, 2-CTA clusters
 # multicasting B, TMA-store epilogue staged and stored under the next tile's first MMAs,
-# setmaxnreg), the default; its ablations, each without one technique
-# ("persistent_immediate": the epilogue between tiles), and the experimental stream-K
-# tail and dynamic tile order ("persistent_dynamic": tiles by ticket in the order
-# clusters finish) (f16, jnp.dot's layout only).
+# setmaxnreg, tiles by ticket in the order clusters finish), the default; its
+# ablations, each without one technique ("persistent_static": a grid-stride tile order;
+# "persistent_immediate": also the epilogue between tiles), and the experimental
+# stream-K tail (f16, jnp.dot's layout only).
 # The opt-in f16-accumulating kind (256x256 tiles, four consumer warpgroups; f16 only)
 # is reached through accumulation="f16" on the public ops.
 # 5 is the fused kind, reached through jax_hopper.dense only. "small_m" is for decode-
 # sized M (64-row tiles, no cluster, K split over every SM; f16/bf16, jnp.dot's layout).
 KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3, "persistent_wait0": 4,
            "persistent_streamk": 6, "persistent_f16acc": 7, "small_m": 8, "persistent_pingpong": 9,
-           "persistent_immediate": 10, "persistent_dynamic": 11}
+           "persistent_immediate": 10, "persistent_static": 11}
 DEFAULT_KERNEL = "persistent"
 F16_ACCUMULATION_KERNEL = "persistent_f16acc"
 SMALL_M_KERNEL = "small_m"

@@ -613,7 +613,7 @@ def main(argv=None):
                    "(2, 3, 4 are compiled for f16; 4 for bf16); empty for none")
     p.add_argument("--kernels", default="", help="comma-separated extra kernel kinds to time (NN; f16, and bf16 "
                    "for small_m), e.g. the default's ablations persistent_basic,persistent_tma,persistent_immediate,"
-                   "persistent_wait0")
+                   "persistent_static,persistent_wait0")
     p.add_argument("--samples", type=int, default=KERNEL_SAMPLES, help="kernel-time samples per variant (median)")
     p.add_argument("--rounds", type=int, default=SUSTAINED_ROUNDS, help="sustained-throughput rounds (median)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.matmul column")

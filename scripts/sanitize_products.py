@@ -19,8 +19,11 @@ CASES = [  # (kernel, dtype, batch, m, n, k, transpose_a, transpose_b, out_dtype
     ("persistent_tma", jnp.float16, 0, 300, 520, 200, False, False, jnp.float32),
     ("persistent_wait0", jnp.float16, 0, 129, 264, 72, False, False, None),
     ("persistent_immediate", jnp.float16, 0, 129, 264, 72, False, False, None),
-    # The dynamic order: tickets past the first wave, the mailbox between the producers.
-    ("persistent_dynamic", jnp.float16, 0, 4160, 4096, 192, False, False, None),
+    ("persistent_static", jnp.float16, 0, 129, 264, 72, False, False, None),
+    # The default's dynamic order: tickets past the first wave, the mailbox between the
+    # producers; a batch of transposed operands with f32 out (72 cluster tiles, 66 clusters).
+    ("persistent", jnp.float16, 0, 4160, 4096, 192, False, False, None),
+    ("persistent", jnp.bfloat16, 2, 2100, 1024, 136, True, True, jnp.float32),
     # The deferred store: 4 K tiles, rows past M in M tile 2 (the second warpgroup flushes only).
     ("persistent", jnp.float16, 0, 300, 8704, 200, False, False, None),
     ("persistent", jnp.bfloat16, 0, 1000, 8448, 72, False, False, None),  # 2 K tiles: 2 sub-tiles flushed

@@ -75,7 +75,7 @@ def test_output_is_written_into_the_poisoned_buffer(hopper):
 SELECTABLE = [("v5", 2, jnp.float16), ("v5", 3, jnp.float16), ("v5", 4, jnp.float16), ("v5", 4, jnp.bfloat16),
               ("persistent_basic", 4, jnp.float16), ("persistent_tma", 4, jnp.float16),
               ("persistent_wait0", 4, jnp.float16), ("persistent_immediate", 4, jnp.float16),
-              ("persistent_dynamic", 4, jnp.float16),
+              ("persistent_static", 4, jnp.float16),
               ("persistent_streamk", 4, jnp.float16),
               ("small_m", 5, jnp.float16), ("small_m", 5, jnp.bfloat16),
               ("persistent_pingpong", 6, jnp.float16)]  # experimental
@@ -111,7 +111,7 @@ DEFERRED_STORE_SHAPES = [(8192, 8192, 64), (4160, 4096, 192), (300, 8704, 200), 
 
 @pytest.mark.parametrize("kernel,dtype", [("persistent", jnp.float16), ("persistent", jnp.bfloat16),
                                           ("persistent_immediate", jnp.float16),  # the ablation: f16 only
-                                          ("persistent_dynamic", jnp.float16)],
+                                          ("persistent_static", jnp.float16)],
                          ids=lambda x: getattr(x, "__name__", str(x)))
 @pytest.mark.parametrize("shape", DEFERRED_STORE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_deferred_store_edges(hopper, shape, kernel, dtype):
@@ -130,7 +130,7 @@ def test_deferred_store_edges(hopper, shape, kernel, dtype):
 
 
 def test_dynamic_tiles_every_call(hopper):
-    # The dynamic order (persistent_dynamic) hands out tiles by ticket from a counter each
+    # The default kernel's dynamic order hands out tiles by ticket from a counter each
     # call zeroes in its own scratch memory. Three products back to back in one program
     # (2048x4096: 256 tiles, 128 cluster tiles for 66 clusters, so most are ticketed): a
     # counter not zeroed would start where the previous call's ended (128) if XLA gives
@@ -145,7 +145,7 @@ def test_dynamic_tiles_every_call(hopper):
     # (Aliasing is not asserted: XLA may pair the three same-shaped NaN buffers with the
     # outputs in another order, which the helper's in-order check would call a failure.)
     outs, _ = run_into_poisons(
-        lambda *ops: tuple(gemm(ops[2 * i], ops[2 * i + 1], kernel="persistent_dynamic") for i in range(3)),
+        lambda *ops: tuple(gemm(ops[2 * i], ops[2 * i + 1]) for i in range(3)),
         [(m, n)] * 3, jnp.float16, *[t for pair in zip(xs, ws) for t in pair])
     for out, x, w in zip(outs, xs, ws):
         assert not bool(jnp.isnan(out).any())

@@ -70,7 +70,7 @@ TMA_STORE = ["UTMASTG", "STSM"]  # stmatrix into swizzled smem, then TMA store
 SETMAXNREG = "USETMAXREG"  # producer -> consumer register reallocation
 KIND_EXTRAS = {
     0: [],  # V5
-    1: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent (the default)
+    1: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent (the default: tiles by ticket)
     2: [MULTICAST],  # persistent_basic
     3: [MULTICAST, *TMA_STORE],  # persistent_tma
     4: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_wait0
@@ -81,8 +81,8 @@ KIND_EXTRAS = {
     9: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_pingpong (experimental: 128x128 per warpgroup)
     10: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused_grad (the MLP's backward form)
     11: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused_derivative (act and act' written)
-    12: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_immediate (the default, stores not deferred)
-    13: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_dynamic (tiles by ticket)
+    12: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_immediate (the static order, stores not deferred)
+    13: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_static (the default, grid-stride tile order)
 }
 F16_ACCUMULATION_KIND = 7
 PINGPONG_KIND = 9

@@ -24,7 +24,7 @@ constexpr KernelKind kKernelKinds[] = {KernelKind::kV5, KernelKind::kPersistent,
                                        KernelKind::kPersistentFused, KernelKind::kPersistentStreamK,
                                        KernelKind::kPersistentF16Acc, KernelKind::kSmallM,
                                        KernelKind::kPersistentPingpong, KernelKind::kPersistentImmediate,
-                                       KernelKind::kPersistentDynamic};
+                                       KernelKind::kPersistentStatic};
 constexpr int32_t kNumKernelKinds = sizeof(kKernelKinds) / sizeof(kKernelKinds[0]);
 
 std::string shape_str(ffi::AnyBuffer::Dimensions d) {

@@ -56,18 +56,19 @@ struct GemmConfig {
   // for warpgroup 0, odd ones for 1 -- so every stage of the ring has one reader per CTA
   // and one warpgroup's epilogue runs while the other's MMAs keep the tensor cores busy.
   static constexpr bool kPingpong = kKind == KernelKind::kPersistentPingpong;
-  // The dynamic tile order (tile_scheduler.cuh: TileTickets): the default kernel with
-  // tiles handed out by a global ticket counter in the order clusters finish.
-  static constexpr bool kDynamicTiles = kKind == KernelKind::kPersistentDynamic;
-  static constexpr bool kTmaStoreEpilogue = kKind == KernelKind::kPersistentTma || kKind == KernelKind::kPersistent ||
-                                            kKind == KernelKind::kPersistentImmediate || kDynamicTiles ||
+  // The dynamic tile order (tile_scheduler.cuh: TileTickets): the default kernel hands
+  // tiles out by a global ticket counter in the order clusters finish; its ablation
+  // kPersistentStatic, and every other persistent kind, walk them in a grid stride.
+  static constexpr bool kDynamicTiles = kKind == KernelKind::kPersistent;
+  static constexpr bool kDefaultOrStatic = kDynamicTiles || kKind == KernelKind::kPersistentStatic;
+  static constexpr bool kTmaStoreEpilogue = kKind == KernelKind::kPersistentTma || kDefaultOrStatic ||
+                                            kKind == KernelKind::kPersistentImmediate ||
                                             kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK ||
                                             kF16Accumulate || kPingpong;
   // A whole producer warpgroup (only one thread issues TMA) so that setmaxnreg, which
   // works per warpgroup, can move registers from the producer to the consumers.
   // (Not for the small-M kind: one consumer warpgroup has registers to spare.)
-  static constexpr bool kProducerWarpgroup = kKind == KernelKind::kPersistent ||
-                                             kKind == KernelKind::kPersistentImmediate || kDynamicTiles ||
+  static constexpr bool kProducerWarpgroup = kDefaultOrStatic || kKind == KernelKind::kPersistentImmediate ||
                                              kKind == KernelKind::kPersistentWait0 || kFusedEpilogue ||
                                              kKind == KernelKind::kPersistentStreamK || kF16Accumulate || kPingpong;
   // The deferred store (epilogue.cuh): a tile's 16-bit output is packed into registers
@@ -76,7 +77,7 @@ struct GemmConfig {
   // sits next to the next tile's 128 f32 accumulators, which the consumers' setmaxnreg
   // share (232) holds. f32 output and the register-store fallback store at once.
   static constexpr bool kDeferredStore =
-      kKind == KernelKind::kPersistent || kKind == KernelKind::kPersistentWait0 || kDynamicTiles;
+      kDefaultOrStatic || kKind == KernelKind::kPersistentWait0;
   // wgmma groups left in flight after each K tile; the stage release lags by as many.
   static constexpr int kMmaInFlight = kKind == KernelKind::kPersistentWait0 ? 0 : 1;
   // Tile order: consecutive CTAs sweep this many neighbouring N tiles, then step in M.

@@ -108,8 +108,8 @@ const char* kind_name(KernelKind kind) {
       return "persistent_fused_derivative";
     case KernelKind::kPersistentImmediate:
       return "persistent_immediate";
-    case KernelKind::kPersistentDynamic:
-      return "persistent_dynamic";
+    case KernelKind::kPersistentStatic:
+      return "persistent_static";
   }
   return "unknown";
 }

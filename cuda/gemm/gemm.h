@@ -88,10 +88,13 @@ struct GemmArgs {
 //                      that overlap the next tile's mainloop
 //  kPersistentImmediate + a producer warpgroup handing registers to the consumers
 //                      (setmaxnreg, 384 threads)
-//  kPersistent       + the deferred store: a tile's output is staged and stored
+//  kPersistentStatic + the deferred store: a tile's output is staged and stored
 //                      during the next tile's first K tiles, under its MMAs, in the
-//                      registers setmaxnreg gave: the default
-//  kPersistentWait0  kPersistent with wait_group(0) instead of one wgmma group in flight
+//                      registers setmaxnreg gave; tiles in a static grid stride
+//  kPersistent       + the dynamic tile order: tiles handed out by a global ticket
+//                      counter in the order clusters finish (cuBLASLt's order;
+//                      tile_scheduler.cuh: TileTickets): the default
+//  kPersistentWait0  kPersistentStatic with wait_group(0) instead of one wgmma group in flight
 //  kPersistentFused  kPersistent with the fused epilogue (bias, activation, residual)
 //  kPersistentFusedGrad kPersistent with the fused epilogue's backward form, C times
 //                      act'(z) (GemmArgs::activation_grad)
@@ -109,9 +112,6 @@ struct GemmArgs {
 //                      tiles (the CTA's even and odd ones), so one warpgroup's epilogue
 //                      runs under the other's MMAs (one of cuBLASLt's 4096^3 candidates);
 //                      measured slower than kPersistent (BENCHMARKS.md)
-//  kPersistentDynamic EXPERIMENTAL: kPersistent with tiles handed out by a global ticket
-//                      counter in the order clusters finish (cuBLASLt's order), not a
-//                      static grid stride (tile_scheduler.cuh: TileTickets)
 enum class KernelKind {
   kV5,
   kPersistent,
@@ -126,7 +126,7 @@ enum class KernelKind {
   kPersistentFusedGrad,
   kPersistentFusedDerivative,
   kPersistentImmediate,
-  kPersistentDynamic
+  kPersistentStatic
 };
 
 // Compile-time kernel parameters that are selectable at run time (each choice is an

@@ -4,7 +4,8 @@
 // After them comes the TMA producer (V5: one warp, threads 256-287; with register
 // reallocation a whole warpgroup of which one thread works). V5 launches one CTA per
 // tile; the persistent kinds launch one CTA per SM (in 2-CTA clusters) and each walks
-// tiles with a grid stride, pipeline state carried on. The default's consumers store a
+// tiles, pipeline state carried on: the default in the order clusters finish (tickets,
+// tile_scheduler.cuh), the others with a grid stride. The default's consumers store a
 // tile during the next one's first K tiles (the deferred store, epilogue.cuh).
 #pragma once
 #include <cuda.h>
@@ -79,7 +80,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         auto& slots = smem.dynamic.tickets;
         TileTickets<Cfg::kStages, Cfg::kClusterM> tickets(slots, tile_counter, work.num_tiles, work.clusters, cluster,
                                                           cta_rank);
-        for (int32_t t; (t = tickets.next()) != kNoTile;)  // the host checked that tiles fit in int32
+        for (int32_t t = tickets.first(); t != kNoTile; t = tickets.next())  // tiles fit in int32 (host-checked)
           Main::load(pipe, smem, &tmap_a, &tmap_b, scheduler.tile(t, cta_rank), 0, work.k_tiles, cta_rank, st,
                      [&slots, t, cta_rank](int index, uint64_t* bar) {
                        return mark_stage(slots, index, t, static_cast<uint32_t>(cta_rank), bar);

@@ -146,7 +146,7 @@ struct WorkCursor {
   }
 };
 
-// ---- The dynamic tile order (kind kPersistentDynamic) ---------------------------------
+// ---- The dynamic tile order (the default kind, kPersistent) -------------------------
 // With the static grid stride, CTAs drift apart (SM active cycles spread 7% at 8192^3),
 // so clusters that share an operand stop reading it together: cuBLASLt hands tiles out
 // in the order clusters finish instead, which kept its reads merged in L2 and its clock
@@ -175,7 +175,7 @@ struct TileTickets {
   uint32_t* counter;
   int64_t num_tiles, clusters;
   int cta_rank;
-  int64_t next_tile;     // rank 0: the tile after the current one, from its ticket
+  int64_t next_tile;     // the cluster's first tile; then (rank 0) the one after the current one
   uint32_t handovers = 0;
 
   __device__ TileTickets(TicketStorage<kStages>& s, uint32_t* c, int64_t tiles, int64_t cl, int64_t cluster,
@@ -188,13 +188,20 @@ struct TileTickets {
     hopper::mbarrier_init(&s.mailbox_empty, 1);
   }
 
+  // The cluster's first tile, its own index (the host launched no more clusters than
+  // tiles), known to both ranks without a handover, so no producer waits at the start.
+  __device__ int32_t first() {
+    const int32_t tile = static_cast<int32_t>(next_tile);
+    if (cta_rank == 0) take_ticket();
+    return tile;
+  }
+
+  // Each later tile (kNoTile at the end): rank 0's ticket, handed to rank 1.
   __device__ int32_t next() {
     int32_t tile;
     if (cta_rank == 0) {
       tile = next_tile < num_tiles ? static_cast<int32_t>(next_tile) : kNoTile;
-      // The ticket for the tile after this one; its value is first used a tile later.
-      // With no more tiles than clusters there are no tickets (and no counter).
-      if (tile != kNoTile) next_tile = num_tiles > clusters ? clusters + atomicAdd(counter, 1u) : num_tiles;
+      if (tile != kNoTile) take_ticket();
       if constexpr (kClusterSize > 1) {
         static_assert(kClusterSize == 2, "one mailbox: rank 0 feeds rank 1");
         // Producer-start parity: the first wait passes on the fresh barrier.
@@ -211,6 +218,13 @@ struct TileTickets {
     }
     ++handovers;
     return tile;
+  }
+
+ private:
+  // The ticket for the tile after the current one; its value is first used a tile later.
+  // With no more tiles than clusters there are no tickets (and no counter).
+  __device__ void take_ticket() {
+    next_tile = num_tiles > clusters ? clusters + atomicAdd(counter, 1u) : num_tiles;
   }
 };
 
