@@ -76,8 +76,7 @@ struct GemmConfig {
   // of between the two tiles while the tensor cores wait. The packed tile (64 registers)
   // sits next to the next tile's 128 f32 accumulators, which the consumers' setmaxnreg
   // share (232) holds. f32 output and the register-store fallback store at once.
-  static constexpr bool kDeferredStore =
-      kDefaultOrStatic || kKind == KernelKind::kPersistentWait0;
+  static constexpr bool kDeferredStore = kDefaultOrStatic || kKind == KernelKind::kPersistentWait0;
   // wgmma groups left in flight after each K tile; the stage release lags by as many.
   static constexpr int kMmaInFlight = kKind == KernelKind::kPersistentWait0 ? 0 : 1;
   // Tile order: consecutive CTAs sweep this many neighbouring N tiles, then step in M.
