@@ -49,10 +49,12 @@ for kernel, dtype, batch, m, n, k, ta, tb, out_dtype in CASES:
     print(kernel, dtype.__name__, lead, m, n, k, ta, tb, out.dtype, "done", flush=True)
 
 # The fused epilogue (bias, activation, residual) on partial tiles, with the register-
-# store fallback (N = 101) and without.
+# store fallback (N = 101) and without, and past one wave (2100 x 2048: 72 cluster tiles
+# for 66 clusters, ticketed).
 import jax_hopper  # noqa: E402
 
-for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_tanh"), (jnp.bfloat16, (100, 101, 103), "silu")]:
+for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_tanh"), (jnp.bfloat16, (100, 101, 103), "silu"),
+                              (jnp.float16, (2100, 2048, 72), "relu")]:
     ka, kb, kc, kd = jax.random.split(jax.random.key(m + n), 4)
     x = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
     w = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
@@ -84,7 +86,8 @@ for dtype, (m, n, k), act, bias_grad in [(jnp.float16, (129, 264, 72), "gelu_exa
 # partial tiles (M, N past a tile; odd K: x and w padded).
 from jax_hopper._fused import fused_dense_with_derivative  # noqa: E402
 
-for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_exact"), (jnp.bfloat16, (300, 520, 103), "silu")]:
+for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_exact"), (jnp.bfloat16, (300, 520, 103), "silu"),
+                              (jnp.float16, (2100, 2048, 72), "gelu_tanh")]:  # ticketed
     ka, kb, kc = jax.random.split(jax.random.key(m * k + n + 1), 3)
     x = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
     w = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)

@@ -74,13 +74,13 @@ KIND_EXTRAS = {
     2: [MULTICAST],  # persistent_basic
     3: [MULTICAST, *TMA_STORE],  # persistent_tma
     4: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_wait0
-    5: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused (dense: bias, activation, residual)
+    5: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_fused (dense: bias, activation, residual)
     6: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_streamk (stream-K tail)
     7: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_f16acc (opt-in f16 accumulation)
     8: [*TMA_STORE],  # small_m (decode: no cluster, one consumer warpgroup, producer warp)
     9: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_pingpong (experimental: 128x128 per warpgroup)
-    10: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused_grad (the MLP's backward form)
-    11: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_fused_derivative (act and act' written)
+    10: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_fused_grad (the MLP's backward form)
+    11: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_fused_derivative (act and act' written)
     12: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_immediate (the static order, stores not deferred)
     13: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_static (the default, grid-stride tile order)
 }

@@ -192,9 +192,9 @@ ffi::Error decode_residual(const std::string& target, ffi::AnyBuffer residual, f
 // The fused product C = act(A * B + bias) + residual: the contract of GemmImpl for a 2-D
 // b (a [M, K] or [..., M, K]) with an output of the operands' type, plus bias [N] and
 // residual (c's shape) of that type, each passed as an empty array when absent.
-ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
-                         ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> c, int32_t transpose_a,
-                         int32_t transpose_b, int32_t activation) {
+ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                         ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> c,
+                         int32_t transpose_a, int32_t transpose_b, int32_t activation) {
   const std::string target = "jax_hopper_gemm_fused";
   GemmArgs args;
   if (ffi::Error err = decode_fused(target, a, b, c, transpose_a, transpose_b, activation, args); err.failure())
@@ -202,6 +202,7 @@ ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
   if (ffi::Error err = decode_bias(target, bias, a.element_type(), args); err.failure()) return err;
   if (ffi::Error err = decode_residual(target, residual, c, args); err.failure()) return err;
   KernelChoice choice;
+  args.allocate_workspace = scratch_of(scratch);  // the dynamic order's ticket counter
   choice.kind = KernelKind::kPersistentFused;
   return to_ffi(gemm(args, choice, stream));
 }
@@ -211,8 +212,9 @@ ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
 // with z (c's shape and type) in the residual's place and no bias, plus a second result
 // column_sums, f32 [ceil(M / 64), N]: C's column sums per 64 rows (a bias gradient,
 // summed over its rows by the caller), computed before C is rounded; empty for none.
-ffi::Error GemmFusedGradImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer z,
-                             ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> column_sums,
+ffi::Error GemmFusedGradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a,
+                             ffi::AnyBuffer b, ffi::AnyBuffer z, ffi::Result<ffi::AnyBuffer> c,
+                             ffi::Result<ffi::AnyBuffer> column_sums,
                              int32_t transpose_a, int32_t transpose_b, int32_t activation) {
   const std::string target = "jax_hopper_gemm_fused_grad";
   GemmArgs args;
@@ -231,6 +233,7 @@ ffi::Error GemmFusedGradImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
     args.column_sums = static_cast<float*>(column_sums->untyped_data());
   }
   KernelChoice choice;
+  args.allocate_workspace = scratch_of(scratch);
   choice.kind = KernelKind::kPersistentFusedGrad;
   choice.stages = kFusedGradStages;
   return to_ffi(gemm(args, choice, stream));
@@ -238,8 +241,9 @@ ffi::Error GemmFusedGradImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
 
 // C = act(A * B + bias) and D = act'(A * B + bias): the contract of GemmFusedImpl with
 // no residual and no gradient form, plus the second result d of c's shape and type.
-ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer bias,
-                                   ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> d,
+ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a,
+                                   ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> c,
+                                   ffi::Result<ffi::AnyBuffer> d,
                                    int32_t transpose_a, int32_t transpose_b, int32_t activation) {
   GemmArgs args;
   const std::string target = "jax_hopper_gemm_fused_derivative";
@@ -252,6 +256,7 @@ ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::A
                                        " and type, got " + shape_str(dd));
   args.derivative = d->untyped_data();
   KernelChoice choice;
+  args.allocate_workspace = scratch_of(scratch);
   choice.kind = KernelKind::kPersistentFusedDerivative;
   return to_ffi(gemm(args, choice, stream));
 }
@@ -274,6 +279,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemm, jax_hopper::GemmImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFused, jax_hopper::GemmFusedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()  // a
                                   .Arg<ffi::AnyBuffer>()  // b
                                   .Arg<ffi::AnyBuffer>()  // bias ([N] or empty)
@@ -286,6 +292,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFused, jax_hopper::GemmFusedImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFusedGrad, jax_hopper::GemmFusedGradImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()  // a
                                   .Arg<ffi::AnyBuffer>()  // b
                                   .Arg<ffi::AnyBuffer>()  // z (c's shape), or the saved act'(z)
@@ -298,6 +305,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFusedGrad, jax_hopper::GemmFusedGradI
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFusedDerivative, jax_hopper::GemmFusedDerivativeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()  // a
                                   .Arg<ffi::AnyBuffer>()  // b
                                   .Arg<ffi::AnyBuffer>()  // bias ([N] or empty)

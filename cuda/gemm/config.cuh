@@ -56,11 +56,11 @@ struct GemmConfig {
   // for warpgroup 0, odd ones for 1 -- so every stage of the ring has one reader per CTA
   // and one warpgroup's epilogue runs while the other's MMAs keep the tensor cores busy.
   static constexpr bool kPingpong = kKind == KernelKind::kPersistentPingpong;
-  // The dynamic tile order (tile_scheduler.cuh: TileTickets): the default kernel hands
-  // tiles out by a global ticket counter in the order clusters finish; its ablation
-  // kPersistentStatic, and every other persistent kind, walk them in a grid stride.
-  static constexpr bool kDynamicTiles = kKind == KernelKind::kPersistent;
-  static constexpr bool kDefaultOrStatic = kDynamicTiles || kKind == KernelKind::kPersistentStatic;
+  // The dynamic tile order (tile_scheduler.cuh: TileTickets): the default kernel and the
+  // fused kinds hand tiles out by a global ticket counter in the order clusters finish;
+  // the default's ablations and the experimental kinds walk them in a grid stride.
+  static constexpr bool kDynamicTiles = kKind == KernelKind::kPersistent || kFusedEpilogue;
+  static constexpr bool kDefaultOrStatic = kKind == KernelKind::kPersistent || kKind == KernelKind::kPersistentStatic;
   static constexpr bool kTmaStoreEpilogue = kKind == KernelKind::kPersistentTma || kDefaultOrStatic ||
                                             kKind == KernelKind::kPersistentImmediate ||
                                             kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK ||

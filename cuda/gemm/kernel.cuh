@@ -80,15 +80,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         auto& slots = smem.dynamic.tickets;
         TileTickets<Cfg::kStages, Cfg::kClusterM> tickets(slots, tile_counter, work.num_tiles, work.clusters, cluster,
                                                           cta_rank);
-        for (int32_t t = tickets.first(); t != kNoTile; t = tickets.next())  // tiles fit in int32 (host-checked)
-          Main::load(pipe, smem, &tmap_a, &tmap_b, scheduler.tile(t, cta_rank), 0, work.k_tiles, cta_rank, st,
-                     [&slots, t, cta_rank](int index, uint64_t* bar) {
-                       return mark_stage(slots, index, t, static_cast<uint32_t>(cta_rank), bar);
+        for (int32_t t = tickets.first(); t != kNoTile; t = tickets.next()) {  // tiles fit in int32 (host-checked)
+          const TileCoord tile = scheduler.tile(t, cta_rank);
+          Main::load(pipe, smem, &tmap_a, &tmap_b, tile, 0, work.k_tiles, cta_rank, st,
+                     [&slots, tile, cta_rank](int index, uint64_t* bar) {
+                       return mark_stage(slots, index, tile, static_cast<uint32_t>(cta_rank), bar);
                      });
+        }
         // The end mark: a fresh stage with no loads, only the mark.
         pipe.producer_acquire(st);
         uint64_t* bar = pipe.producer_barrier(st);
-        pipe.producer_expect(st, mark_stage(slots, st.index, kNoTile, static_cast<uint32_t>(cta_rank), bar));
+        const TileCoord end{kNoTile, 0, 0};
+        pipe.producer_expect(st, mark_stage(slots, st.index, end, static_cast<uint32_t>(cta_rank), bar));
         st.advance();
         Main::drain(pipe, st, Cfg::kStages - 1);  // the end mark's stage is acquired already
       } else {
@@ -139,8 +142,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           hopper::mbarrier_wait(&smem.turns.turn[warpgroup], static_cast<uint32_t>((handovers_needed - 1) & 1));
         ++own_units;
       }
-      const TileCoord tile = Cfg::kDynamicTiles ? scheduler.tile(static_cast<int32_t>(unit.tile), cta_rank)
-                                                : scheduler.tile(unit.tile, cta_rank);
+      TileCoord tile;
+      if constexpr (Cfg::kDynamicTiles) {
+        tile = cursor.coord;  // decoded by the producer
+      } else {
+        tile = scheduler.tile(unit.tile, cta_rank);
+      }
       // Cooperative kinds: this warpgroup's rows of the tile (and A's 64-row slice);
       // ping-pong: the whole tile.
       const int a_slice = Cfg::kPingpong ? 0 : warpgroup;

@@ -162,7 +162,10 @@ constexpr int32_t kNoTile = -1;
 
 template <int kStages>
 struct TicketStorage {
-  int32_t stage_tile[kStages];  // the tile whose first K tile the stage holds
+  // The tile whose first K tile the stage holds, decoded for this CTA by its producer
+  // (m_block, n_block, batch; m_block kNoTile after the last), so the consumers' path
+  // between tiles has no division in it.
+  int4 stage_tile[kStages];
   int32_t mailbox;              // rank 1: the cluster's next tile
   uint64_t mailbox_full;        // rank 1's: its own arrival + the 4 bytes rank 0 stores
   uint64_t mailbox_empty;       // rank 0's: rank 1 has read it
@@ -228,15 +231,16 @@ struct TileTickets {
   }
 };
 
-// Producer side: writes tile `tile` into stage `index`'s slot as 4 transaction bytes
-// completing on the stage's full barrier (st.async to this CTA), so the consumers read it
-// after their wait exactly as they read the stage's TMA data, and the next overwrite is
-// ordered after their release the same way. Returns the bytes to expect.
+// Producer side: writes `tile` (this CTA's coordinates) into stage `index`'s slot as 16
+// transaction bytes completing on the stage's full barrier (st.async to this CTA), so the
+// consumers read it after their wait exactly as they read the stage's TMA data, and the
+// next overwrite is ordered after their release the same way. Returns the bytes to expect.
 template <int kStages>
-__device__ uint32_t mark_stage(TicketStorage<kStages>& slots, int index, int32_t tile, uint32_t own_rank,
+__device__ uint32_t mark_stage(TicketStorage<kStages>& slots, int index, TileCoord tile, uint32_t own_rank,
                                uint64_t* full_barrier) {
-  hopper::store_async_cluster_u32(&slots.stage_tile[index], own_rank, static_cast<uint32_t>(tile), full_barrier);
-  return sizeof(int32_t);
+  const int4 mark = make_int4(tile.m_block, tile.n_block, tile.batch, 0);
+  hopper::store_async_cluster_v4(&slots.stage_tile[index], own_rank, mark, full_barrier);
+  return sizeof(int4);
 }
 
 // Consumer side: waits for the stage of the next tile's first K tile (the mainloop's
@@ -244,20 +248,23 @@ __device__ uint32_t mark_stage(TicketStorage<kStages>& slots, int index, int32_t
 template <class Pipe, class State>
 struct StageTileCursor {
   const Pipe& pipe;
-  const int32_t* stage_tile;
+  const int4* stage_tile;
   const State& read;  // the consumer's ring cursor, advanced by the mainloop
   int k_tiles;
+  TileCoord coord;  // the tile of the last unit next() returned
 
-  __device__ bool next(WorkUnit& unit) const {
+  __device__ bool next(WorkUnit& unit) {
     pipe.consumer_wait(read);
-    // A 32-bit shared-window load (not a generic one), reduced over the warp (all lanes
-    // hold the same value): redux.sync's result is a uniform register, so the loop exit
-    // is provably warp-uniform and the ring cursor, hence the wgmma descriptors, stay in
+    // A shared-window load (not a generic one), reduced over the warp (all lanes hold
+    // the same values): redux.sync's result is a uniform register, so the loop exit is
+    // provably warp-uniform and the ring cursor, hence the wgmma descriptors, stay in
     // uniform registers. (A shfl from lane 0 was not enough: ptxas moved the descriptors
     // to vector registers, and the consumers spilled.)
-    const int32_t tile = __reduce_max_sync(0xffffffffu, hopper::load_shared_s32(&stage_tile[read.index]));
-    if (tile == kNoTile) return false;
-    unit = WorkUnit{tile, 0, k_tiles, UnitRole::kWhole};
+    const int4 mark = hopper::load_shared_v4(&stage_tile[read.index]);
+    const int32_t m_block = __reduce_max_sync(0xffffffffu, mark.x);
+    if (m_block == kNoTile) return false;
+    coord = TileCoord{m_block, __reduce_max_sync(0xffffffffu, mark.y), __reduce_max_sync(0xffffffffu, mark.z)};
+    unit = WorkUnit{0, 0, k_tiles, UnitRole::kWhole};
     return true;
   }
 };

@@ -54,4 +54,17 @@ __device__ __forceinline__ void store_async_cluster_u32(const void* word, uint32
       : "memory");
 }
 
+// The same for four words (16-byte aligned), completing 16 transaction bytes.
+__device__ __forceinline__ void store_async_cluster_v4(const void* words, uint32_t cta, int4 value, uint64_t* bar) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote_words, remote_bar;\n"
+      "mapa.shared::cluster.u32 remote_words, %0, %2;\n"
+      "mapa.shared::cluster.u32 remote_bar, %1, %2;\n"
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [remote_words], {%3, %4, %5, %6}, [remote_bar];\n"
+      "}\n" ::"r"(smem_addr(words)),
+      "r"(smem_addr(bar)), "r"(cta), "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w)
+      : "memory");
+}
+
 }  // namespace jax_hopper::hopper

@@ -66,4 +66,12 @@ __device__ __forceinline__ int32_t load_shared_s32(const int32_t* ptr) {
   return value;
 }
 
+__device__ __forceinline__ int4 load_shared_v4(const int4* ptr) {
+  int4 v;
+  asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem_addr(ptr)));
+  return v;
+}
+
 }  // namespace jax_hopper::hopper
