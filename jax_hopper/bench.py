@@ -669,6 +669,15 @@ def main(argv=None):
                          f"outside the source tree, with the package installed.")
 
     rows = []
+
+    def save_json():  # after every case too, so a run cut short keeps what it measured
+        if args.json:
+            meta = {"device": dev.device_kind, "jax": jax.__version__,
+                    "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                    "protocol": {"kernel_samples": KERNEL_SAMPLES, "sustained_rounds": SUSTAINED_ROUNDS}}
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
     jobs = [(c, d) for c in cases for d in dtypes]
     for idx, ((batch, m, n, k, layout), d) in enumerate(jobs):
         done = [0]
@@ -683,6 +692,7 @@ def main(argv=None):
         print_table(shape_rows)
         sys.stdout.flush()
         rows.extend(shape_rows)
+        save_json()
 
     mlp_activations = [a.strip() for a in args.mlp_activations.split(",") if a.strip()]
     bad = sorted(set(mlp_activations) - {a for a in ACTIVATION_FNS if a})
@@ -722,11 +732,7 @@ def main(argv=None):
     print_table(rows)
     if args.plot:
         plot(rows, args.plot)
-    if args.json:
-        meta = {"device": dev.device_kind, "jax": jax.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                "protocol": {"kernel_samples": KERNEL_SAMPLES, "sustained_rounds": SUSTAINED_ROUNDS}}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    save_json()
 
 
 if __name__ == "__main__":
