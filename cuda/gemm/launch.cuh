@@ -153,7 +153,8 @@ Status prepare_stream_k(const GemmArgs& args, cudaStream_t stream, WorkList* wor
 
 // The dynamic order's ticket counter, zeroed in the call's scratch memory (stream
 // ordered before the launch; the memset costs about a microsecond, so a single wave,
-// which takes no tickets, goes without). Tiles travel as int32 through shared memory.
+// which takes no tickets, goes without). Tile indices travel as int32 (the mailbox
+// between the producers); the stage marks carry decoded coordinates.
 inline Status prepare_tile_counter(const GemmArgs& args, cudaStream_t stream, const WorkList& work,
                                    uint32_t** counter) {
   if (work.num_tiles > INT32_MAX) return Status::Invalid("too many output tiles for the dynamic order");
