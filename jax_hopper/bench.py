@@ -708,6 +708,7 @@ def main(argv=None):
                 print(file=sys.stderr)
                 print_table(mlp_rows)
                 rows.extend(mlp_rows)
+                save_json()
 
     for text in filter(None, args.dense.split(",")):
         tokens, d_in, d_out = (int(x) for x in text.lower().split("x"))
@@ -718,6 +719,7 @@ def main(argv=None):
                 print(file=sys.stderr)
                 print_table(dense_rows)
                 rows.extend(dense_rows)
+                save_json()
 
     for idx, text in enumerate(filter(None, args.tp_mlp.split(","))):
         tokens, d_model, d_ff = (int(x) for x in text.lower().split("x"))
@@ -727,6 +729,7 @@ def main(argv=None):
             print(file=sys.stderr)
             print_table(tp_rows)
             rows.extend(tp_rows)
+            save_json()
 
     print("\nsummary")
     print_table(rows)
