@@ -337,6 +337,24 @@ def saved_derivative(activations):
 # and writes dz, by TMA only: rows of a multiple of 8 elements.
 TMA_WIDTH_MULTIPLE = 8
 
+# The saved-derivative form wins where fused-activation does (above), and also at a
+# longer K than the fused dense alone: against the layer plus XLA's act pass it saves
+# that pass and, in the backward pass, act' recomputed from z1 (the multiply form
+# instead of the act' form), while the fused dense alone saves only the first.
+# Measured on the H200 (BENCHMARKS.md, session of 2026-12-02 01:54; tokens x d_model x
+# d_ff = 8192x8192x32768, f16, tanh-GELU, kernel time): the derivative kind 6.35 ms
+# against nvjet + XLA's act pass 6.28 + 0.46, the multiply form 6.52 against the act'
+# form 6.90; the training step with every product on our kernel 1.020-1.034x jnp's,
+# the default (z1 kept at K = 8192) 0.996-1.012x.
+SAVED_DERIVATIVE_MAX_K = 8192
+
+
+def saved_derivative_wins(p: Problem, activation: str | None) -> bool:
+    """Where, beyond fused-activation's bounds, the derivative kind runs for the
+    saved-derivative form under "auto"."""
+    return (activation in SAVED_DERIVATIVE_ACTIVATIONS and p.batch <= 1 and p.rows_aligned and
+            p.out_itemsize == p.itemsize and min(p.m, p.n, p.k) >= FUSED_MIN_DIM and p.k <= SAVED_DERIVATIVE_MAX_K)
+
 
 def choose_dense_with_derivative(problem: Problem, activation: str | None,
                                  policy: str | None = None) -> tuple[str, str]:
@@ -346,9 +364,13 @@ def choose_dense_with_derivative(problem: Problem, activation: str | None,
     policy = current_policy() if policy is None else policy
     if problem.n % TMA_WIDTH_MULTIPLE:
         return "xla", "derivative-width-not-multiple-of-8"
-    if policy == "kernel" or (policy == "auto" and fused_activation_wins(problem, activation)):
-        return _runnable("kernel", "policy=kernel" if policy == "kernel" else "fused-activation")
-    return "xla", f"policy={policy}" if policy != "auto" else "fused-activation-not-ahead"
+    if policy == "kernel":
+        return _runnable("kernel", "policy=kernel")
+    if policy == "auto" and fused_activation_wins(problem, activation):
+        return _runnable("kernel", "fused-activation")
+    if policy == "auto" and saved_derivative_wins(problem, activation):
+        return _runnable("kernel", "saved-derivative")
+    return "xla", f"policy={policy}" if policy != "auto" else "derivative-kind-not-ahead"
 
 
 def choose(problem: Problem, policy: str | None = None) -> tuple[str, str]:

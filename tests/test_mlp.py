@@ -115,9 +115,9 @@ def test_gradients_with_the_saved_derivative(activation, policy, f):
 
 @pytest.mark.parametrize("activation", ["gelu_exact", "gelu_tanh", "silu"])
 def test_auto_saves_the_derivative_where_the_derivative_kind_runs(activation):
-    """Default: exact GELU, tanh-GELU and SiLU save act'(z1) where the fused-activation
-    rule runs the derivative kind (every dimension >= 4096, K <= 4096 for the last two);
-    ReLU, smaller layers and (tanh-GELU, SiLU) a longer K keep z1."""
+    """Default: exact GELU, tanh-GELU and SiLU save act'(z1) where the dispatcher runs the
+    derivative kind (every dimension >= 4096, K <= 8192: rules fused-activation and
+    saved-derivative); ReLU, smaller layers and a longer K keep z1."""
     def structs(width):
         shapes = ((4096, width), (width, 4096), (4096,), (4096, width), (width,))
         return [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
@@ -125,7 +125,9 @@ def test_auto_saves_the_derivative_where_the_derivative_kind_runs(activation):
     text = gradient_program(activation, structs(4096), "auto")
     assert len(re.findall(r"@jax_hopper_gemm_fused_derivative\(", text)) == 1
     wide = gradient_program(activation, structs(8192), "auto")
-    assert ("jax_hopper_gemm_fused_derivative" in wide) == (activation == "gelu_exact")
+    assert len(re.findall(r"@jax_hopper_gemm_fused_derivative\(", wide)) == 1
+    wider = gradient_program(activation, structs(16384), "auto")
+    assert "jax_hopper_gemm_fused_derivative" not in wider
     small = gradient_program(activation, block_operands((256,), 128, 512, jnp.bfloat16), "auto")
     assert "jax_hopper_gemm_fused_derivative" not in small
     assert _dispatch.saves_derivative(activation, True) and not _dispatch.saves_derivative(activation, False)
@@ -138,6 +140,17 @@ def test_saved_derivative_dispatch():
     assert _dispatch.choose_dense_with_derivative(problem, "relu", "auto")[0] == "xla"
     assert _dispatch.choose_dense_with_derivative(problem, "relu", "kernel") == ("kernel", "policy=kernel")
     assert _dispatch.choose_dense_with_derivative(problem, "silu", "xla") == ("xla", "policy=xla")
+    # tanh-GELU and SiLU: the fused dense alone stops at K = 4096, the saved form at 8192.
+    for activation in ("gelu_tanh", "silu"):
+        assert _dispatch.choose_dense_with_derivative(problem, activation, "auto") == ("kernel", "fused-activation")
+        k8192 = _dispatch.problem_of((8192, 8192), (8192, 32768), jnp.bfloat16, jnp.bfloat16, False, False)
+        assert _dispatch.choose_dense_with_derivative(k8192, activation, "auto") == ("kernel", "saved-derivative")
+        assert _dispatch.choose_dense(k8192, activation, "auto") == ("xla", "default")
+        k16384 = _dispatch.problem_of((8192, 16384), (16384, 32768), jnp.float16, jnp.float16, False, False)
+        assert _dispatch.choose_dense_with_derivative(k16384, activation, "auto") == (
+            "xla", "derivative-kind-not-ahead")
+        small_m = _dispatch.problem_of((2048, 8192), (8192, 32768), jnp.float16, jnp.float16, False, False)
+        assert _dispatch.choose_dense_with_derivative(small_m, activation, "auto")[0] == "xla"
     odd = _dispatch.problem_of((8192, 4096), (4096, 16380), jnp.float16, jnp.float16, False, False)
     assert _dispatch.choose_dense_with_derivative(odd, "gelu_exact", "kernel") == (
         "xla", "derivative-width-not-multiple-of-8")
