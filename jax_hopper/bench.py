@@ -406,6 +406,11 @@ def bench_mlp(tokens, d_model, d_ff, dtype_name, progress, activation="gelu_tanh
         "train mlp op saved act'": ({"jax_hopper": _saved_derivative(activation, _kernel_forced(train(mlp_op))),
                                      "jax_hopper auto": _saved_derivative(activation, _auto(train(mlp_op))),
                                      "jnp": train(plain)}, x, 5),
+        # The dispatcher's choice of form against z1 kept, interleaved in one process (the
+        # A/B of a saved-derivative rule: the two differ only where the rule runs).
+        "train mlp op auto vs z1 kept": ({"jax_hopper auto": _auto(train(mlp_op)),
+                                          "auto, z1 kept": _saved_derivative(None, _auto(train(mlp_op))),
+                                          "jnp": train(plain)}, x, 5),
         # The multiply alone: dz1 = (dy W2^T) * act'(z1) with act'(z1) saved (our backward
         # form with no activation; jnp: the product, then a multiply pass).
         "dz1 times saved act'": ({"jax_hopper": lambda dz, p: fused_activation_grad(dz[0], p[2], dz[1],
@@ -468,8 +473,9 @@ def _policy(policy, f):
 
 
 def _saved_derivative(activation, f):
+    """f with exactly `activation` (None: no activation) saving act'(z1) on either path."""
     def run(*args):
-        with _dispatch.saved_derivative({activation}):  # read while jit traces
+        with _dispatch.saved_derivative(() if activation is None else {activation}):  # read while jit traces
             return f(*args)
     return run
 

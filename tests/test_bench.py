@@ -19,12 +19,12 @@ def test_bench_writes_rows_for_every_case_and_variant(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     cases = {(r["batch"], r["m"], r["n"], r["k"], r["layout"]) for r in rows}
     # 2 shapes x 2 layouts, 1 batched, the MLP block (forward, training step through dense
-    # and through mlp, the backward form with and without db1, the forward's four parts),
-    # (1 tensor-parallel block)
-    assert len(cases) == 4 + 1 + 14 + tp
+    # and through mlp, the auto/z1-kept A/B, the backward form with and without db1, the
+    # forward's four parts), (1 tensor-parallel block)
+    assert len(cases) == 4 + 1 + 15 + tp
     assert {r["layout"] for r in rows if r["layout"].startswith("mlp")} == {
         f"mlp {step} [gelu_tanh]" for step in ("forward", "train", "train mlp op", "train mlp op with dx",
-                                               "train mlp op saved act'",
+                                               "train mlp op saved act'", "train mlp op auto vs z1 kept",
                                                "dz1 times saved act'", "dz1 backward form",
                                                "dz1 and db1 times saved act'", "dz1 and db1 backward form",
                                                "dense1 act and act'", "dense1 bias+act", "dense2 bias+resid",
