@@ -337,15 +337,18 @@ def saved_derivative(activations):
 # and writes dz, by TMA only: rows of a multiple of 8 elements.
 TMA_WIDTH_MULTIPLE = 8
 
-# The saved-derivative form wins where fused-activation does (above), and also at a
-# longer K than the fused dense alone: against the layer plus XLA's act pass it saves
-# that pass and, in the backward pass, act' recomputed from z1 (the multiply form
-# instead of the act' form), while the fused dense alone saves only the first.
-# Measured on the H200 (BENCHMARKS.md, session of 2026-12-02 01:54; tokens x d_model x
-# d_ff = 8192x8192x32768, f16, tanh-GELU, kernel time): the derivative kind 6.35 ms
+# jax_hopper.mlp's saved-derivative form runs its derivative kind where fused-activation
+# does (above), and also at a longer K than the fused dense alone (whose tanh-GELU and
+# SiLU tie at K = 8192): against the layer plus XLA's act pass it saves that pass and,
+# in the backward pass, act' recomputed from z1 (the multiply form instead of the act'
+# form), where the fused dense alone saves only the first. ops.dense keeps its own rule
+# (choose_dense), so a block of two dense calls is unchanged. Measured on the H200
+# (BENCHMARKS.md, session of 2026-12-02 01:54; tokens x d_model x d_ff =
+# 8192x8192x32768, kernel time): per kernel (tanh-GELU f16) the derivative kind 6.35 ms
 # against nvjet + XLA's act pass 6.28 + 0.46, the multiply form 6.52 against the act'
-# form 6.90; the training step with every product on our kernel 1.020-1.034x jnp's,
-# the default (z1 kept at K = 8192) 0.996-1.012x.
+# form 6.90; the whole training step, this rule against z1 kept interleaved in one
+# process, 0.1-0.9% faster for tanh-GELU and SiLU in f16 and bf16 (0.4-0.8% sustained),
+# never slower. Longer K (the model width) was not measured.
 SAVED_DERIVATIVE_MAX_K = 8192
 
 
