@@ -224,9 +224,10 @@ FUSED_SMALL_M_OR_K = {"gelu_exact": 2048}
 FUSED_SMALL_MIN_N = 8192
 
 
-def fused_activation_wins(p: Problem, activation: str | None) -> bool:
+def fused_activation_wins(p: Problem, activation: str | None, max_k: dict = FUSED_ACTIVATION_MAX_K) -> bool:
+    """`max_k`: the longest K measured ahead, per activation (absent: never)."""
     if not (p.batch <= 1 and p.rows_aligned and p.out_itemsize == p.itemsize and
-            p.k <= FUSED_ACTIVATION_MAX_K.get(activation, 0)):
+            p.k <= max_k.get(activation, 0)):
         return False
     if min(p.m, p.n, p.k) >= FUSED_MIN_DIM:
         return True
@@ -348,15 +349,15 @@ TMA_WIDTH_MULTIPLE = 8
 # against nvjet + XLA's act pass 6.28 + 0.46, the multiply form 6.52 against the act'
 # form 6.90; the whole training step, this rule against z1 kept interleaved in one
 # process, 0.1-0.9% faster for tanh-GELU and SiLU in f16 and bf16 (0.4-0.8% sustained),
-# never slower. Longer K (the model width) was not measured.
-SAVED_DERIVATIVE_MAX_K = 8192
+# never slower. Longer K (the model width) was not measured. The other conditions are
+# fused-activation's.
+SAVED_DERIVATIVE_MAX_K = {"gelu_tanh": 8192, "silu": 8192}
 
 
 def saved_derivative_wins(p: Problem, activation: str | None) -> bool:
     """Where, beyond fused-activation's bounds, the derivative kind runs for the
     saved-derivative form under "auto"."""
-    return (activation in SAVED_DERIVATIVE_ACTIVATIONS and p.batch <= 1 and p.rows_aligned and
-            p.out_itemsize == p.itemsize and min(p.m, p.n, p.k) >= FUSED_MIN_DIM and p.k <= SAVED_DERIVATIVE_MAX_K)
+    return fused_activation_wins(p, activation, SAVED_DERIVATIVE_MAX_K)
 
 
 def choose_dense_with_derivative(problem: Problem, activation: str | None,
