@@ -238,47 +238,58 @@ __device__ __forceinline__ void with_activation(Activation a, F&& f) {
 // keep 1 / (1 + exp(-y)) within |y| 2^-24 + a few ulp relative (2^-17 at |y| = 88, past
 // which exp overflows and the result is 0: truly below 1e-37) -- against 2^-11 (f16) and
 // 2^-8 (bf16) for the rounding that follows. Unlike 1 + tanhf(u), nothing cancels as the
-// result nears 0.
+// result nears 0. Every instruction here is issued per output element (about 20 for
+// tanh-GELU with its derivative), so the constants are folded: GELU(tanh)'s exponent
+// comes from one FMUL, one FFMA and one FMUL, and its slope from one FFMA on the same v^2.
 template <class Cfg>
 struct FusedOps {
   using Element = typename Cfg::Element;
   using Pair = PairOf<Element>;
   using Direct = DirectStoreEpilogue<Cfg>;
 
-  // x / (1 + exp(-y)): __expf is ex2.approx of y * log2(e); __fdividef is rcp.approx, and
-  // gives 0 for an infinite denominator (x finite), the limit.
-  __device__ static float times_sigmoid(float x, float y) { return __fdividef(x, 1.0f + __expf(-y)); }
+  // sigmoid(y) = 1 / (1 + 2^t), t = -y log2(e) given, on the SFU with denormals flushed:
+  // ex2.approx.ftz and rcp.approx.ftz. The plain forms add a range check and a rescale
+  // each (three instructions per element, and predicates and registers that made the
+  // backward form spill). Flushing changes nothing here: a subnormal 2^t (y > 87) is
+  // lost against the 1 it is added to, and a reciprocal below 2^-126 (y < -87) becomes
+  // 0 -- the limit, as __fdividef gives for a denominator past 2^126 -- so act(v) is 0
+  // instead of a value below 1e-36 and act'(z) below about 2^-119 times g.
+  __device__ static float sigmoid_of_exponent(float t) {
+    float e, s;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(t));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + e));
+    return s;
+  }
+  static constexpr float kMinusLog2E = -1.4426950408889634f;
+  __device__ static float sigmoid_ftz(float y) { return sigmoid_of_exponent(y * kMinusLog2E); }
 
-  // GELU(tanh) is z sigmoid(y(z)), y = 2 sqrt(2/pi) (z + kCubic z^3).
+  // GELU(tanh) is z sigmoid(y(z)), y = 2 sqrt(2/pi) (z + kCubic z^3): its exponent
+  // -y log2(e) = z (kExpLinear + kExpCubic z^2) and its slope y'(z) = kTwoSqrt2OverPi +
+  // kSlopeCubic z^2, both from v2 = z^2 (the constants' roundings, 2^-24 relative each,
+  // are no larger than the multiplies they replace).
   static constexpr float kTwoSqrt2OverPi = 2.0f * 0.7978845608028654f;
   static constexpr float kCubic = 0.044715f;
+  static constexpr float kExpLinear = kTwoSqrt2OverPi * kMinusLog2E;
+  static constexpr float kExpCubic = kExpLinear * kCubic;
+  static constexpr float kSlopeCubic = 3.0f * kCubic * kTwoSqrt2OverPi;
+  __device__ static float gelu_tanh_sigmoid(float z, float z2) {
+    return sigmoid_of_exponent(z * fmaf(z2, kExpCubic, kExpLinear));
+  }
+  __device__ static float gelu_tanh_slope(float z2) { return fmaf(z2, kSlopeCubic, kTwoSqrt2OverPi); }
 
   template <Activation kAct>
   __device__ static float activate(float v) {
     if constexpr (kAct == Activation::kRelu) {
       return fmaxf(v, 0.0f);
     } else if constexpr (kAct == Activation::kGeluTanh) {  // jax.nn.gelu(approximate=True)
-      return times_sigmoid(v, kTwoSqrt2OverPi * fmaf(kCubic * v, v * v, v));
+      return v * gelu_tanh_sigmoid(v, v * v);
     } else if constexpr (kAct == Activation::kGeluErf) {  // jax.nn.gelu(approximate=False)
       return v * normal_cdf(v).cdf;
     } else if constexpr (kAct == Activation::kSilu) {  // jax.nn.silu: x * sigmoid(x)
-      return times_sigmoid(v, v);
+      return v * sigmoid_ftz(v);
     } else {
       return v;
     }
-  }
-
-  // sigmoid(y) on the SFU with denormals flushed: ex2.approx.ftz and rcp.approx.ftz.
-  // The plain forms add a range check and a rescale each, and their predicates and
-  // registers made the backward form spill. Flushing changes a result only where
-  // sigmoid(y) < 2^-126 (y < -87): act'(z) is then below about 2^-119 and the
-  // product is 0 instead of that tiny a multiple of g.
-  __device__ static float sigmoid_ftz(float y) {
-    constexpr float kMinusLog2E = -1.4426950408889634f;
-    float e, s;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(y * kMinusLog2E));
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + e));
-    return s;
   }
 
   // The backward form: the cotangent g of act(z) times act'(z), on the SFU as above.
@@ -290,9 +301,9 @@ struct FusedOps {
     if constexpr (kAct == Activation::kRelu) {
       return z > 0.0f ? g : 0.0f;
     } else if constexpr (kAct == Activation::kGeluTanh) {  // s + z s (1 - s) y'(z), s = sigmoid(y(z))
-      const float s = sigmoid_ftz(kTwoSqrt2OverPi * fmaf(kCubic * z, z * z, z));
-      const float dy = kTwoSqrt2OverPi * fmaf(3.0f * kCubic * z, z, 1.0f);
-      return g * fmaf(z * s * (1.0f - s), dy, s);
+      const float z2 = z * z;
+      const float s = gelu_tanh_sigmoid(z, z2);
+      return g * fmaf(z * s * (1.0f - s), gelu_tanh_slope(z2), s);
     } else if constexpr (kAct == Activation::kGeluErf) {  // Phi(z) + z phi(z)
       return g * gelu_erf_with_derivative(z).y;
     } else if constexpr (kAct == Activation::kSilu) {  // s + z s (1 - s) = s (1 + z (1 - s)), s = sigmoid(z)
@@ -312,13 +323,14 @@ struct FusedOps {
     if constexpr (kAct == Activation::kRelu) {
       return make_float2(fmaxf(v, 0.0f), v > 0.0f ? 1.0f : 0.0f);
     } else if constexpr (kAct == Activation::kGeluTanh) {  // v s, s + v s (1 - s) y'(v)
-      const float s = times_sigmoid(1.0f, kTwoSqrt2OverPi * fmaf(kCubic * v, v * v, v));
-      const float dy = kTwoSqrt2OverPi * fmaf(3.0f * kCubic * v, v, 1.0f);
-      return make_float2(v * s, fmaf(v * s * (1.0f - s), dy, s));
+      const float v2 = v * v;
+      const float s = gelu_tanh_sigmoid(v, v2);
+      const float vs = v * s;
+      return make_float2(vs, fmaf(vs * (1.0f - s), gelu_tanh_slope(v2), s));
     } else if constexpr (kAct == Activation::kGeluErf) {
       return gelu_erf_with_derivative(v);
     } else if constexpr (kAct == Activation::kSilu) {  // v s, s (1 + v (1 - s))
-      const float s = times_sigmoid(1.0f, v);
+      const float s = sigmoid_ftz(v);
       return make_float2(v * s, s * fmaf(v, 1.0f - s, 1.0f));
     } else {
       return make_float2(v, 1.0f);
