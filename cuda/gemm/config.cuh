@@ -78,7 +78,11 @@ struct GemmConfig {
   // share (232) holds. f32 output and the register-store fallback store at once.
   static constexpr bool kDeferredStore = kDefaultOrStatic || kKind == KernelKind::kPersistentWait0;
   // wgmma groups left in flight after each K tile; the stage release lags by as many.
-  static constexpr int kMmaInFlight = kKind == KernelKind::kPersistentWait0 ? 0 : 1;
+  // The backward form has 3 stages (its staged operand takes the fourth's shared
+  // memory): with one group in flight the consumers would hold two of them, leaving the
+  // producer one stage of lead, and ncu showed its consumers waiting for data about five
+  // times as long as the 4-stage kernel's. Retiring each group before the next frees a stage.
+  static constexpr int kMmaInFlight = kKind == KernelKind::kPersistentWait0 || kActivationGrad ? 0 : 1;
   // Tile order: consecutive CTAs sweep this many neighbouring N tiles, then step in M.
   // 8 measured best of 2/4/8/16 on every shape tried (BENCHMARKS.md, "raster width"),
   // about 1% over the seed's 4.
