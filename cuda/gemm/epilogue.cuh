@@ -433,10 +433,12 @@ struct FusedOps {
 #pragma unroll
         for (int half = 0; half < 2; ++half)
           res[i][half] = load_raw<kPaired>(rows[half], row_ok[half], c + (j0 + i) * Direct::kColsPerBlock, out.n);
+      uint32_t bias[kResidualChunk];
+      load_bias(bias_smem, has_bias, j0, bias);
 #pragma unroll
       for (int i = 0; i < kResidualChunk; ++i) {
         const int j = j0 + i;
-        const float2 b = bias_of_block(bias_smem, has_bias, j);
+        const float2 b = unpack(bias[i]);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const float2 loaded = unpack(res[i][half]);
@@ -483,13 +485,20 @@ struct FusedOps {
     apply_form(acc, out, row0, col0, bias_smem, has_bias);
   }
 
-  // Bias pair of the thread's accumulator column block j (its columns
-  // 8j + 2 (lane % 4) + {0, 1}); -0 without a bias (x + (-0) = x: a -0 product stays -0).
-  // Pair index (col - col0) / 2 = lane % 4 + 4j: lanes with equal lane % 4 read one word
-  // (broadcast).
-  __device__ static float2 bias_of_block(const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias, int j) {
+  // Bias pairs of the thread's accumulator column blocks j0 .. j0 + kBlocks - 1 (block j:
+  // columns 8j + 2 (lane % 4) + {0, 1}), packed; -0 without a bias (x + (-0) = x: a -0
+  // product stays -0). Pair index (col - col0) / 2 = lane % 4 + 4j: lanes with equal
+  // lane % 4 read one word (broadcast). All of them issued before the first is used, as
+  // shared loads (hopper::ld_shared_u32).
+  template <int kBlocks>
+  __device__ static void load_bias(const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias, int j0,
+                                   uint32_t (&words)[kBlocks]) {
     const int lane = hopper::thread_in_warpgroup() % hopper::kWarpSize;
-    return has_bias ? unpack(bias_smem[lane % 4 + j * Direct::kColsPerBlock / 2]) : make_float2(-0.0f, -0.0f);
+    const uint32_t base = hopper::smem_addr(&bias_smem[lane % 4]);
+    constexpr uint32_t kBlockStride = Direct::kColsPerBlock / 2 * sizeof(uint32_t);
+#pragma unroll
+    for (int i = 0; i < kBlocks; ++i)
+      words[i] = has_bias ? hopper::ld_shared_u32(base + (j0 + i) * kBlockStride) : kNegativeZeroPair;
   }
 };
 
@@ -680,13 +689,16 @@ struct TmaStoreEpilogue {
     using Ops = FusedOps<Cfg>;
     static_assert(sizeof(Element) == 2 && std::is_same_v<typename Cfg::Accumulator, float>,
                   "16-bit outputs of an f32 accumulator");
+    constexpr int kSubtileBlocks = 2 * kPairSteps;
+    uint32_t bias[kSubtileBlocks];
+    Ops::load_bias(bias_smem, has_bias, s * kSubtileBlocks, bias);
 #pragma unroll
     for (int p = 0; p < kPairSteps; ++p) {
-      const int j = s * 2 * kPairSteps + 2 * p;  // first accumulator column block of the pair
+      const int j = s * kSubtileBlocks + 2 * p;  // first accumulator column block of the pair
       uint32_t c[kMatrices];
 #pragma unroll
       for (int q = 0; q < kMatrices; q += 2) {  // accumulator pairs 4j + 2q, 4j + 2q + 2: block j + q / 2, both halves
-        const float2 b = Ops::bias_of_block(bias_smem, has_bias, j + q / 2);
+        const float2 b = Ops::unpack(bias[2 * p + q / 2]);
         const int i = 4 * j + 2 * q;
         if constexpr (kAct == Activation::kGeluErf) {
           const uint4 r = gelu_erf_with_derivative_x4<Element>(acc[i] + b.x, acc[i + 1] + b.y, acc[i + 2] + b.x,
@@ -799,11 +811,17 @@ struct TmaStoreEpilogue {
 #pragma unroll
     for (int s = 0; s < Cfg::kOperandSubtiles; ++s) {
       typename Sums::SubtileSums sums;
+      // The sub-tile's loads first, so their latencies overlap (ldmatrix and stmatrix are
+      // volatile: the compiler keeps each load next to the store after it).
+      uint4 z4s[kPairSteps];
+#pragma unroll
+      for (int p = 0; p < kPairSteps; ++p)
+        z4s[p] = hopper::ldmatrix_x4(hopper::smem_addr(buffers[s]) + stmatrix_offset(p));
 #pragma unroll
       for (int p = 0; p < kPairSteps; ++p) {
         const int j = s * 2 * kPairSteps + 2 * p;  // first accumulator column block of the pair
         const uint32_t addr = hopper::smem_addr(buffers[s]) + stmatrix_offset(p);
-        const uint4 z4 = hopper::ldmatrix_x4(addr);
+        const uint4 z4 = z4s[p];
         const uint32_t z[kMatrices] = {z4.x, z4.y, z4.z, z4.w};
         uint32_t c[kMatrices];
 #pragma unroll
