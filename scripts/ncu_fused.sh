@@ -2,7 +2,8 @@
 # Stall profile of a layer's kernels (profile_fused.py: by default our plain product, the
 # fused kernel and the derivative kind): writes $1/warp_state.txt (clock, duration and
 # warp state statistics per kernel) and $1/source.csv.gz (per-SASS-line stall samples by
-# reason, every kernel). Usage: ncu_fused.sh OUTDIR [activation] [TOKENSxDMODELxDFF] [forms].
+# reason, every kernel; scripts/ncu_source_summary.py reads it). Usage: ncu_fused.sh OUTDIR
+# [activation] [TOKENSxDMODELxDFF] [forms].
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUTDIR=${1:?output directory}
