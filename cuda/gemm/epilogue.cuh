@@ -813,16 +813,17 @@ struct TmaStoreEpilogue {
       typename Sums::SubtileSums sums;
       // The sub-tile's loads first, so their latencies overlap (ldmatrix and stmatrix are
       // volatile: the compiler keeps each load next to the store after it).
-      uint4 z4s[kPairSteps];
+      uint32_t addr[kPairSteps];
+      uint4 z4[kPairSteps];
 #pragma unroll
-      for (int p = 0; p < kPairSteps; ++p)
-        z4s[p] = hopper::ldmatrix_x4(hopper::smem_addr(buffers[s]) + stmatrix_offset(p));
+      for (int p = 0; p < kPairSteps; ++p) {
+        addr[p] = hopper::smem_addr(buffers[s]) + stmatrix_offset(p);
+        z4[p] = hopper::ldmatrix_x4(addr[p]);
+      }
 #pragma unroll
       for (int p = 0; p < kPairSteps; ++p) {
         const int j = s * 2 * kPairSteps + 2 * p;  // first accumulator column block of the pair
-        const uint32_t addr = hopper::smem_addr(buffers[s]) + stmatrix_offset(p);
-        const uint4 z4 = z4s[p];
-        const uint32_t z[kMatrices] = {z4.x, z4.y, z4.z, z4.w};
+        const uint32_t z[kMatrices] = {z4[p].x, z4[p].y, z4[p].z, z4[p].w};
         uint32_t c[kMatrices];
 #pragma unroll
         for (int q = 0; q < kMatrices; ++q) {  // matrix q holds accumulator pair 4j + 2q
@@ -836,7 +837,7 @@ struct TmaStoreEpilogue {
             sum = q % 2 == 0 ? v : Sums::add(sum, v);
           }
         }
-        hopper::stmatrix_x4(addr, c[0], c[1], c[2], c[3]);
+        hopper::stmatrix_x4(addr[p], c[0], c[1], c[2], c[3]);
       }
       float2 total;
       if constexpr (kColumnSums) total = Sums::reduce_scatter(sums);
