@@ -160,11 +160,13 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
     // same shared-memory sub-tiles (config.cuh: kStagedOperand).
     constexpr uintptr_t kTmaAlign = 16;
     if (args.activation_grad &&
-        (args.residual == nullptr || args.bias != nullptr || args.ld_residual % kTmaRowMultiple != 0 ||
+        (args.residual == nullptr || args.bias != nullptr || args.n % kTmaRowMultiple != 0 ||
+         args.ld_residual % kTmaRowMultiple != 0 ||
          args.ldc % kTmaRowMultiple != 0 || reinterpret_cast<uintptr_t>(args.residual) % kTmaAlign != 0 ||
          reinterpret_cast<uintptr_t>(args.c) % kTmaAlign != 0))
       return Status::Invalid("an activation gradient needs the pre-activation or the saved derivative (residual), "
-                             "no bias, and 16-byte aligned C and residual with row lengths a multiple of 8");
+                             "no bias, N a multiple of 8 (whole column pairs for its column sums), and 16-byte "
+                             "aligned C and residual with row lengths a multiple of 8");
   }
   if (args.k == 0) {  // empty sums: C = 0
     for (int64_t b = 0; b < args.batch; ++b) {
