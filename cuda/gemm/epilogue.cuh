@@ -489,7 +489,7 @@ struct FusedOps {
   // columns 8j + 2 (lane % 4) + {0, 1}), packed; -0 without a bias (x + (-0) = x: a -0
   // product stays -0). Pair index (col - col0) / 2 = lane % 4 + 4j: lanes with equal
   // lane % 4 read one word (broadcast). All of them issued before the first is used, as
-  // shared loads (hopper::ld_shared_u32).
+  // shared loads (hopper::load_shared_u32).
   template <int kBlocks>
   __device__ static void load_bias(const uint32_t (&bias_smem)[hopper::kWarpgroupSize], bool has_bias, int j0,
                                    uint32_t (&words)[kBlocks]) {
@@ -498,7 +498,7 @@ struct FusedOps {
     constexpr uint32_t kBlockStride = Direct::kColsPerBlock / 2 * sizeof(uint32_t);
 #pragma unroll
     for (int i = 0; i < kBlocks; ++i)
-      words[i] = has_bias ? hopper::ld_shared_u32(base + (j0 + i) * kBlockStride) : kNegativeZeroPair;
+      words[i] = has_bias ? hopper::load_shared_u32(base + (j0 + i) * kBlockStride) : kNegativeZeroPair;
   }
 };
 

@@ -62,11 +62,13 @@ __device__ __forceinline__ uint4 ldmatrix_x4(uint32_t smem_row_addr) {
   return r;
 }
 
-// One 32-bit word of shared memory at a shared-window address. The epilogues reach their
-// shared storage through a pointer computed from the aligned dynamic base, which the
-// compiler cannot tell is shared: plain C++ reads there become generic loads (LD), with
-// a longer latency and, next to the volatile stmatrix, no room to be hoisted.
-__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t smem_addr) {
+// One 32-bit word of shared memory at a shared-window address (the address form, as
+// ldmatrix and stmatrix here take; mbarrier.cuh has the pointer-form load_shared_s32 and
+// load_shared_v4). The epilogues reach their shared storage through a pointer computed
+// from the aligned dynamic base, which the compiler cannot tell is shared: plain C++
+// reads there become generic loads (LD), with a longer latency and, next to the
+// volatile stmatrix, no room to be hoisted.
+__device__ __forceinline__ uint32_t load_shared_u32(uint32_t smem_addr) {
   uint32_t r;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(smem_addr) : "memory");
   return r;
