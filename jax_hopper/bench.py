@@ -7,6 +7,7 @@
     python -m jax_hopper.bench --sweep --dtype f16,bf16 --json sweep.json --plot sweep.png
     python -m jax_hopper.bench --shapes= --mlp 8192x4096x16384,16384x8192x28672   # fused dense blocks
     python -m jax_hopper.bench --shapes= --dense 8192x4096x16384 --activations relu,gelu_tanh,silu
+    python -m jax_hopper.bench --shapes= --chain 256,1024,1279   # the host's cost per call
 
 Protocol (../shared/GUIDE.md section 5): the seed's data (standard normal scaled by
 K^-1/4, so C has unit variance); enough distinct input sets that they do not fit in L2,
@@ -583,6 +584,40 @@ def bench_dense(tokens, d_in, d_out, dtype_name, activation, progress):
                           auto_path=_dispatch.choose_dense(problem, activation, policy="auto"))
 
 
+def bench_chain(size, length, dtype_name, progress):
+    """The host side per call: one jitted program of `length` dependent products
+    x <- x @ W_i (size^3 each, so every kernel waits for the previous one), ours (kernel
+    forced, and the dispatcher's choice) against jnp.dot. Kernel time is the sum of the
+    chain's kernels (CUPTI); sustained time is wall time over back-to-back calls, so
+    where the kernels are short it shows what each product costs the host (the FFI
+    handler: tensor maps, the ticket counter's memset, the launch) -- the part the
+    other modes cannot see, because there one Python dispatch per product dominates."""
+    dtype = DTYPES[dtype_name]
+    keys = jax.random.split(jax.random.key(2), length + 1)
+    x = jax.random.normal(keys[0], (size, size), jnp.float32).astype(dtype)
+    # Unit-variance weights over sqrt(size) keep x at unit variance down the chain.
+    weights = tuple((jax.random.normal(kk, (size, size), jnp.float32) / size**0.5).astype(dtype)
+                    for kk in keys[1:])
+
+    def chain(dot):
+        def run(x, ws):
+            for w in ws:
+                x = dot(x, w)
+            return x
+        return run
+
+    ours = chain(jax_hopper.matmul)
+    fns = {"jax_hopper": _kernel_forced(ours), "jax_hopper auto": _auto(ours), "jnp": chain(jnp.dot)}
+    meta = {"batch": 0, "m": size, "n": size, "k": size, "layout": f"chain of {length}", "dtype": dtype_name}
+    problem = _dispatch.problem_of((size, size), (size, size), dtype, dtype, False, False)
+    rows = _time_variants(fns, x, weights, 2.0 * length * size**3, meta, progress,
+                          auto_path=_dispatch.choose(problem, policy="auto"))
+    for r in rows:  # per product, in microseconds
+        r["kernel_us_per_product"] = r["kernel_ms"] * 1e3 / length
+        r["sustained_us_per_product"] = r["sustained_ms"] * 1e3 / length
+    return rows
+
+
 def plot(rows, path):
     """TF/s (kernel time) per case and variant, like the seed's plot; needs matplotlib."""
     try:
@@ -640,6 +675,10 @@ def main(argv=None):
                    "gelu_tanh, gelu_exact, silu")
     p.add_argument("--breakdown", action="store_true", help="for --mlp and --dense steps, also time each "
                    "variant's kernels one by one (CUPTI, median per kernel) and print them")
+    p.add_argument("--chain", default="", help="comma-separated sizes N: one jitted chain of --chain-length "
+                   "dependent NxNxN products, ours vs jnp.dot; with short kernels its sustained time is the "
+                   "host's cost per product")
+    p.add_argument("--chain-length", type=int, default=32, help="products per --chain program")
     p.add_argument("--json", help="write all rows to this JSON file")
     p.add_argument("--plot", help="write a PNG bar chart of TF/s per case to this file")
     args = p.parse_args(argv)
@@ -726,6 +765,18 @@ def main(argv=None):
                 print_table(dense_rows)
                 rows.extend(dense_rows)
                 save_json()
+
+    for size in (int(t) for t in filter(None, args.chain.split(","))):
+        for d in dtypes:
+            chain_rows = bench_chain(size, args.chain_length, d,
+                                     lambda: print(".", end="", file=sys.stderr, flush=True))
+            print(file=sys.stderr)
+            print_table(chain_rows)
+            for r in chain_rows:
+                print(f"  {r['variant']:16s} per product: kernel {r['kernel_us_per_product']:7.2f} us, "
+                      f"sustained {r['sustained_us_per_product']:7.2f} us")
+            rows.extend(chain_rows)
+            save_json()
 
     for idx, text in enumerate(filter(None, args.tp_mlp.split(","))):
         tokens, d_model, d_ff = (int(x) for x in text.lower().split("x"))
