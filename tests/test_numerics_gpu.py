@@ -129,6 +129,47 @@ def test_deferred_store_edges(hopper, shape, kernel, dtype):
     assert worst <= 1e-3, f"an element is off by {worst:.3e} beyond an ulp of its value"
 
 
+# C rows TMA cannot store (a row of ldc 16-bit elements not a multiple of 16 bytes): the
+# deferred store copies each staged sub-tile out with the warpgroup's own stores
+# (epilogue.cuh: copy_out), one 4-byte pair per lane where the pair is aligned in C
+# (every other row of an odd N), two 2-byte halves elsewhere, masked at N and M. Odd N
+# with several tiles per CTA and one K tile (the flush stores three of four sub-tiles);
+# N ending inside a sub-tile on either half of a pair (1001: the last lane's pair is
+# half inside; 8199); N below one tile (70); N = 4 and 2 mod 8 (pairs always aligned),
+# the latter batched; M = 300, whose last tile has the second warpgroup past M and the
+# first's last warp partly past it; B stored K-major ([N, K], x @ w.T). The ablation
+# without the deferred store keeps the registers store, for comparison. Same bounds as
+# test_deferred_store_edges.
+UNALIGNED_C_SHAPES = [(8192, 8191, 64), (300, 8199, 200), (4160, 1001, 520), (129, 70, 72), (2050, 4100, 192),
+                      (3, 1000, 2002, 136)]
+
+
+@pytest.mark.parametrize("transpose_b", [False, True], ids=["b_kn", "b_nk"])
+@pytest.mark.parametrize("kernel,dtype", [("persistent", jnp.float16), ("persistent", jnp.bfloat16),
+                                          ("persistent_static", jnp.float16),
+                                          ("persistent_immediate", jnp.float16)],
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+@pytest.mark.parametrize("shape", UNALIGNED_C_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_output_rows_tma_cannot_store(hopper, shape, kernel, dtype, transpose_b):
+    from jax_hopper._primitive import gemm
+
+    *lead, m, n, k = shape
+    if transpose_b and kernel != "persistent":
+        pytest.skip("the ablations are compiled for B [K, N] only (instances.def)")
+    ka, kb = jax.random.split(jax.random.key(m * n + k))
+    a = seed_normal(ka, (*lead, m, k), dtype, k)
+    b = seed_normal(kb, (*lead, n, k) if transpose_b else (*lead, k, n), dtype, k)
+    out, _ = run_into_poison(lambda x, y: gemm(x, y, transpose_b=transpose_b, kernel=kernel), (*lead, m, n), dtype,
+                             a, b)
+    assert not bool(jnp.isnan(out).any())
+    b_kn = jnp.swapaxes(b, -1, -2) if transpose_b else b
+    ref = jnp.matmul(a.astype(jnp.float32), b_kn.astype(jnp.float32), precision="highest")
+    assert relative_error(out, ref) <= ERROR_FACTOR * relative_error(jnp.matmul(a, b_kn), ref)
+    ulp = 2.0 ** -(10 if dtype == jnp.float16 else 7)
+    worst = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref) - ulp * jnp.abs(ref)))
+    assert worst <= 1e-3, f"an element is off by {worst:.3e} beyond an ulp of its value"
+
+
 def test_dynamic_tiles_every_call(hopper):
     # The default kernel's dynamic order hands out tiles by ticket from a counter each
     # call zeroes in its own scratch memory. Three products back to back in one program

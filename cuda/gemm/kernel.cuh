@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // ping-pong a whole tile past M): no MMAs, no stores. A stream-K finisher and its contributors share a tile, CTA rank
       // and warpgroup, so they skip together (nothing is published or awaited).
       if (row0 >= out.m) {
-        if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, warpgroup, 0);
+        if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, 0);
         Main::pass(pipe, k_tiles, read, Cfg::kFirstEpilogueBarrier + warpgroup);
         hand_over();
         continue;
@@ -175,12 +175,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       };
       const auto store_pending = [&](int kt) {
         if constexpr (Cfg::kDeferredStore)
-          Epilogue::store_pending_during(pending, smem.epilogue.buffers[warpgroup], &tmap_c, warpgroup, kt);
+          Epilogue::store_pending_during(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, kt);
       };
       Main::mma(pipe, smem, a_slice, k_tiles, acc, read, hand_over, load_operand, store_pending);
       // What the previous tile left to store goes before any path below leaves the unit.
       if constexpr (Cfg::kDeferredStore)
-        Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, warpgroup, k_tiles);
+        Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, k_tiles);
       if constexpr (Cfg::kStreamK) {
         using Fixup = StreamKFixup<Cfg>;
         if (unit.role == UnitRole::kContributor) {
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           FusedOps<Cfg>::apply(acc, out, row0, col0, bias_pair, smem.fused.bias[warpgroup],
                                Cfg::kFirstEpilogueBarrier + warpgroup);
         if constexpr (Cfg::kDeferredStore) {
-          if (out.tma_store && !out.f32) {
+          if (!out.f32) {  // 16-bit C, by TMA or, where TMA cannot address it, copy_out
             Epilogue::defer(acc, pending, tile.batch, row0, col0);
             continue;
           }
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       }
     }
-    if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, warpgroup, 0);
+    if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, 0);
     if constexpr (Cfg::kTmaStoreEpilogue) Epilogue::finish();
   }
   // No CTA may exit while a peer can still multicast into or arrive on its shared memory.
