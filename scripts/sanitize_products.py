@@ -34,6 +34,11 @@ CASES = [  # (kernel, dtype, batch, m, n, k, transpose_a, transpose_b, out_dtype
     ("persistent_f16acc", jnp.float16, 2, 600, 264, 136, True, True, jnp.float32),
     ("small_m", jnp.float16, 0, 16, 1000, 4160, False, False, None),  # K split 8 ways, warps past M idle
     ("small_m", jnp.bfloat16, 0, 100, 264, 520, False, False, jnp.float32),  # two M tiles, f32 out
+    # C rows TMA cannot store (the deferred store's copy_out): odd N with B [N, K] (no
+    # padding), ticketed tiles with one K tile; N = 2 mod 8, batched.
+    ("persistent", jnp.float16, 0, 300, 1001, 200, False, True, None),
+    ("persistent", jnp.bfloat16, 0, 4160, 1001, 64, False, False, None),
+    ("persistent", jnp.float16, 3, 200, 2002, 136, False, False, None),
     # Odd K: the K-outer operand keeps its K rows and TMA zero-fills past them.
     ("persistent", jnp.float16, 0, 300, 256, 101, False, False, None),  # B [K, N] short of padded K
     ("persistent", jnp.bfloat16, 2, 130, 264, 517, True, True, None),  # A [K, M] short, per batch entry
