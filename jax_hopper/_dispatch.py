@@ -134,7 +134,11 @@ class Rule:
 # (f16 and bf16, BENCHMARKS.md "an odd K no longer copies the weight"): 1023^3 (2.2 us
 # of compute) loses, 0.83-0.91x; 1279^3 (4.2 us) wins 1.25x, and every larger one
 # measured wins, 1.6-3.9x: 1535^3, 2047^3-4095^3, 8191^3, 4096x4096x4095, 256 and
-# 1024 x 8192 x 8191 (35 and 139 us).
+# 1024 x 8192 x 8191 (35 and 139 us). Since 105eeee (an odd N's output leaves through
+# the deferred store) 895^3 and 1023^3 win by kernel time too, 1.22-1.28x, but lose
+# dispatched one product at a time (sustained 0.65-0.98x: three launches, two of them
+# padding, against cuBLASLt's one), and 767^3 loses both ways (0.88x): the threshold
+# stays (BENCHMARKS.md, 2026-12-02 07:48).
 MIN_UNALIGNED_KERNEL_US = 4.0
 
 
