@@ -3,7 +3,8 @@
 // one kernel instance serves both.
 //  DirectStoreEpilogue  (V5) each thread stores its registers, masked at partial tiles.
 //  TmaStoreEpilogue     registers -> swizzled shared-memory sub-tiles -> TMA stores
-//                       that run while the consumers start the next tile.
+//                       that run while the consumers start the next tile (or, for C
+//                       rows TMA cannot address, the warpgroup's own coalesced stores).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
