@@ -663,7 +663,9 @@ struct TmaStoreEpilogue {
 
   // Sub-tile s of the pending tile: staged, then one TMA store, or (C rows TMA cannot
   // address) copy_out. No barrier before the staging there: every thread read this
-  // buffer kStoreBuffers sub-tiles ago, before the barrier after the last staging.
+  // buffer kStoreBuffers sub-tiles ago, before the barrier after the last staging. (Each
+  // warp stages and copies only its own 16 rows, so a __syncwarp would also do in place
+  // of the warpgroup barrier; not measured.)
   __device__ static void store_pending_subtile(const Pending& pending, Buffers& buffers, const CUtensorMap* tmap_c,
                                                const OutputParams& out, int warpgroup, int s) {
     static_assert(Cfg::kStoreBuffers >= 2, "copy_out reuses a buffer two sub-tiles later");
