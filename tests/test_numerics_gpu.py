@@ -154,7 +154,8 @@ UNALIGNED_C_SHAPES = [(8192, 8191, 64), (300, 8199, 200), (4160, 1001, 520), (12
 # (instances.def).
 UNALIGNED_C_KERNELS = [("persistent", jnp.float16, False), ("persistent", jnp.bfloat16, False),
                        ("persistent", jnp.float16, True), ("persistent", jnp.bfloat16, True),
-                       ("persistent_static", jnp.float16, False), ("persistent_immediate", jnp.float16, False)]
+                       ("persistent_static", jnp.float16, False), ("persistent_wait0", jnp.float16, False),
+                       ("persistent_immediate", jnp.float16, False)]
 
 
 @pytest.mark.parametrize("kernel,dtype,transpose_b", UNALIGNED_C_KERNELS,

@@ -662,10 +662,10 @@ struct TmaStoreEpilogue {
   }
 
   // Sub-tile s of the pending tile: staged, then one TMA store, or (C rows TMA cannot
-  // address) copy_out. No barrier before the staging there: every thread read this
-  // buffer kStoreBuffers sub-tiles ago, before the barrier after the last staging. (Each
-  // warp stages and copies only its own 16 rows, so a __syncwarp would also do in place
-  // of the warpgroup barrier; not measured.)
+  // address) copy_out. There each warp stages (stmatrix) and copies only its own 16 rows,
+  // so a __syncwarp orders the two, and none is needed before the staging: the warp read
+  // this buffer kStoreBuffers sub-tiles ago, before the __syncwarp after the last staging.
+  // (A warpgroup barrier here made each warp wait for the slowest of four.)
   __device__ static void store_pending_subtile(const Pending& pending, Buffers& buffers, const CUtensorMap* tmap_c,
                                                const OutputParams& out, int warpgroup, int s) {
     static_assert(Cfg::kStoreBuffers >= 2, "copy_out reuses a buffer two sub-tiles later");
@@ -676,7 +676,7 @@ struct TmaStoreEpilogue {
     } else {
       uint8_t* buf = buffers[s % Cfg::kStoreBuffers];
       stage(buf);
-      hopper::named_barrier_sync(Cfg::kFirstEpilogueBarrier + warpgroup, hopper::kWarpgroupSize);
+      __syncwarp();
       copy_out(buf, out, pending.batch, pending.row0, col);
     }
   }
