@@ -127,6 +127,9 @@ class Rule:
     applies: Callable[[Problem], bool]
     path: str  # "kernel" or "xla"
     evidence: str  # what was measured (BENCHMARKS.md has the tables)
+    # Whether the rule also picks the path of a fused dense layer (choose_dense): False
+    # where only the plain product was measured, whose epilogue the fused kind changes.
+    fused_too: bool = True
 
 
 # Unaligned products below this many microseconds (of compute, or of HBM traffic for
@@ -155,13 +158,35 @@ def _unaligned_rows_win(p: Problem) -> bool:
     return p.compute_us >= MIN_UNALIGNED_KERNEL_US
 
 
+# Aligned products with M and N both >= WIDE_MIN_MN (and K >= WIDE_MIN_K): there our
+# default kernel ran ahead of cuBLASLt in every measurement, by a little (f16 and bf16,
+# jnp.dot's layout, unbatched, 16-bit output; BENCHMARKS.md, session of 2026-12-02
+# 10:35): kernel time 0.999-1.029x, geometric mean about 1.013, over 16384^3 (four
+# processes), 16384x16384x8192 (two), 16384x16384x4096, 32768x16384x8192 and
+# 16384x32768x8192; sustained 0.998-1.030x. Where only one of M, N is that large it tied
+# (8192x16384x8192 1.002 / 0.998, 16384x8192x16384 1.005 / 0.999-1.004, 16384x8192x8192
+# 1.002), as at 12288^3 (1.000-1.002) and 8192^3. Other layouts, batches, f32 outputs and
+# the fused kinds were not measured there: XLA.
+WIDE_MIN_MN = 16384
+WIDE_MIN_K = 4096
+
+
+def _wide_aligned_win(p: Problem) -> bool:
+    return (p.rows_aligned and p.batch <= 1 and not (p.transpose_a or p.transpose_b) and
+            p.out_itemsize == p.itemsize and min(p.m, p.n) >= WIDE_MIN_MN and p.k >= WIDE_MIN_K)
+
+
 RULES: tuple[Rule, ...] = (
     Rule("unaligned-rows", _unaligned_rows_win, "kernel",
          "rows not 16-byte aligned: cuBLASLt falls to its slow kernels (8191^3 f16: 163 TF/s, 16x8192x8191: "
          "18 TF/s) while ours pads only the short rows and runs at 1.25-3.9x from 1279^3 up and 2.4-2.5x on "
          "decode-like products in jnp.dot's layout"),
+    Rule("wide-aligned", _wide_aligned_win, "kernel",
+         "aligned, M and N >= 16384, K >= 4096, jnp.dot's layout: our default kernel 0.999-1.029x cuBLASLt by "
+         "kernel time (geometric mean ~1.013 over 12 measurements in 4 processes), 0.998-1.030x sustained",
+         fused_too=False),
     Rule("default", lambda p: True, "xla",
-         "aligned shapes: our fastest f32 kernel ties cuBLASLt at 6144^3-16384^3 (0.99-1.01x by kernel time, "
+         "aligned shapes: our fastest f32 kernel ties cuBLASLt at 6144^3-12288^3 (0.99-1.01x by kernel time, "
          "0.98-1.02x sustained; sweep at 3ecf707), which is no reason to switch, and is behind on small, one-wave, "
          "odd, decode-like and short-K shapes (0.42-0.96x)"),
 )
@@ -245,7 +270,7 @@ def choose_dense(problem: Problem, activation: str | None, policy: str | None = 
     policy = current_policy() if policy is None else policy
     if policy == "auto" and fused_activation_wins(problem, activation):
         return _runnable("kernel", "fused-activation")
-    return choose(problem, policy)
+    return choose(problem, policy, fused=True)
 
 
 # The MLP's backward form (ops.mlp): dz1 = (dy w2^T) * act'(z1) in one launch of our
@@ -381,13 +406,15 @@ def choose_dense_with_derivative(problem: Problem, activation: str | None,
     return "xla", f"policy={policy}" if policy != "auto" else "derivative-kind-not-ahead"
 
 
-def choose(problem: Problem, policy: str | None = None) -> tuple[str, str]:
-    """(path, rule name) for one product under `policy` (default: the current one)."""
+def choose(problem: Problem, policy: str | None = None, fused: bool = False) -> tuple[str, str]:
+    """(path, rule name) for one product under `policy` (default: the current one);
+    `fused`: the product of a fused dense layer (rules measured on plain products only
+    do not apply)."""
     policy = current_policy() if policy is None else policy
     if policy != "auto":
         return policy, f"policy={policy}"
     for rule in RULES:
-        if rule.applies(problem):
+        if (rule.fused_too or not fused) and rule.applies(problem):
             return _runnable(rule.path, rule.name)
     raise AssertionError("the rule table ends with a catch-all")
 

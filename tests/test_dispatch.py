@@ -52,6 +52,30 @@ def test_auto_runs_our_kernel_only_where_a_rule_measured_it_faster(dtype):
         assert jax_hopper.dispatch_path(x, w_t, (((1,), (1,)), ((), ()))) == ("xla", "default")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_wide_aligned_products_run_our_kernel_only_as_measured(dtype):
+    # M and N both >= 16384, K >= 4096, jnp.dot's layout: our kernel ran 0.999-1.029x
+    # cuBLASLt there (_dispatch.WIDE_MIN_MN); with only one of them that large it tied.
+    with jax_hopper.dispatch("auto"):
+        for m, n, k in [(16384, 16384, 16384), (16384, 16384, 4096), (32768, 16384, 8192), (16384, 32768, 8192)]:
+            assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "wide-aligned"), (m, n, k)
+        assert _custom_calls(16384, 16384, 4096, dtype) == [TARGET]
+        for m, n, k in [(8192, 16384, 8192), (16384, 8192, 16384), (12288, 12288, 12288), (16384, 16384, 2048)]:
+            assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("xla", "default"), (m, n, k)
+        # Not measured there: B stored [N, K], batches, f32 output, the fused dense layer.
+        a = jax.ShapeDtypeStruct((16384, 8192), dtype)
+        b_t = jax.ShapeDtypeStruct((16384, 8192), dtype)
+        assert jax_hopper.dispatch_path(a, b_t, (((1,), (1,)), ((), ()))) == ("xla", "default")
+        batched = _dispatch.Problem(2, 16384, 16384, 8192, 2, 2, False, False)
+        assert _dispatch.choose(batched) == ("xla", "default")
+        f32_out = _dispatch.problem_of((16384, 8192), (8192, 16384), dtype, jnp.float32, False, False)
+        assert _dispatch.choose(f32_out) == ("xla", "default")
+        wide = _dispatch.problem_of((16384, 8192), (8192, 16384), dtype, dtype, False, False)
+        assert _dispatch.choose(wide) == ("kernel", "wide-aligned")
+        assert _dispatch.choose_dense(wide, None) == ("xla", "default")
+        assert _dispatch.choose_dense(wide, "relu") == ("xla", "default")
+
+
 def test_alignment_is_judged_on_the_stored_rows_of_each_layout():
     # NT: B is stored [N, K], so its row is K (aligned here) even though N is odd.
     nt = (((1,), (1,)), ((), ()))
