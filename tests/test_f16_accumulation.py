@@ -27,6 +27,7 @@ import pytest
 from helpers import f32_reference, hopper_devices, relative_error, run_into_poison, seed_normal
 
 import jax_hopper
+from jax_hopper import _dispatch
 from jax_hopper._primitive import KERNELS
 
 F16_UNIT_ROUNDOFF_ANY_ROUNDING = 2.0**-10
@@ -77,7 +78,10 @@ F16_SLOWER = [(6144, 6144, 6144), (3000, 5000, 7000), (8192, 8192, 1024), (2048,
 
 @pytest.mark.parametrize("shape", F16_FASTER, ids=lambda s: "x".join(map(str, s)))
 def test_auto_runs_f16_accumulation_where_it_was_measured_faster(shape):
-    assert _path(*shape, accumulation="f32")[0] == "xla"  # aligned: f32 products go to cuBLASLt
+    m, n, k = shape
+    # Aligned f32-accumulating products go to cuBLASLt, except the wide ones (M, N >= 16384).
+    wide = min(m, n) >= _dispatch.WIDE_MIN_MN and k >= _dispatch.WIDE_MIN_K
+    assert _path(*shape, accumulation="f32") == (("kernel", "wide-aligned") if wide else ("xla", "default"))
     assert _path(*shape) == ("kernel", "f16-accumulation")
 
 
