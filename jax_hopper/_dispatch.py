@@ -161,7 +161,7 @@ def _unaligned_rows_win(p: Problem) -> bool:
 # Aligned products with M and N both >= WIDE_MIN_MN (and K >= WIDE_MIN_K): there our
 # default kernel ran ahead of cuBLASLt in every measurement, by a little (f16 and bf16,
 # jnp.dot's layout, unbatched, 16-bit output; BENCHMARKS.md, session of 2026-12-02
-# 10:35): kernel time 0.999-1.029x, geometric mean about 1.013, over 16384^3 (four
+# 10:35): kernel time 0.999-1.029x, geometric mean about 1.014, over 16384^3 (four
 # processes), 16384x16384x8192 (two), 16384x16384x4096, 32768x16384x8192 and
 # 16384x32768x8192; sustained 0.998-1.030x. Where only one of M, N is that large it tied
 # (8192x16384x8192 1.002 / 0.998, 16384x8192x16384 1.005 / 0.999-1.004, 16384x8192x8192
@@ -183,11 +183,11 @@ RULES: tuple[Rule, ...] = (
          "decode-like products in jnp.dot's layout"),
     Rule("wide-aligned", _wide_aligned_win, "kernel",
          "aligned, M and N >= 16384, K >= 4096, jnp.dot's layout: our default kernel 0.999-1.029x cuBLASLt by "
-         "kernel time (geometric mean ~1.013 over 12 measurements in 4 processes), 0.998-1.030x sustained",
+         "kernel time (geometric mean ~1.014 over 12 measurements in 4 processes), 0.998-1.030x sustained",
          fused_too=False),
     Rule("default", lambda p: True, "xla",
          "aligned shapes: our fastest f32 kernel ties cuBLASLt at 6144^3-12288^3 (0.99-1.01x by kernel time, "
-         "0.98-1.02x sustained; sweep at 3ecf707), which is no reason to switch, and is behind on small, one-wave, "
+         "0.98-1.02x sustained; sweeps at 3ecf707 and 7369afe), which is no reason to switch, and is behind on small, one-wave, "
          "odd, decode-like and short-K shapes (0.42-0.96x)"),
 )
 
