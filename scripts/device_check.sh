@@ -14,6 +14,10 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${1:-${OUT:-$REPO/device-out}}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1
+# The device tool returns at most 8 files from $OUT, the first by name: on exit, every
+# log is also packed into one archive whose name sorts first.
+ARCHIVE=00-logs.tar.gz
+trap '(cd "$LOG" && tar czf "$ARCHIVE" --exclude "$ARCHIVE" -- *) 2>/dev/null' EXIT
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu \
   --format=csv | tee "$LOG/gpu.txt"
