@@ -187,8 +187,8 @@ RULES: tuple[Rule, ...] = (
          fused_too=False),
     Rule("default", lambda p: True, "xla",
          "aligned shapes: our fastest f32 kernel ties cuBLASLt at 6144^3-12288^3 (0.99-1.01x by kernel time, "
-         "0.98-1.02x sustained; sweeps at 3ecf707 and 7369afe), which is no reason to switch, and is behind on small, one-wave, "
-         "odd, decode-like and short-K shapes (0.42-0.96x)"),
+         "0.98-1.02x sustained; sweeps at 3ecf707 and 7369afe), which is no reason to switch, and is behind on "
+         "small, one-wave, odd, decode-like and short-K shapes (0.42-0.96x)"),
 )
 
 
