@@ -290,6 +290,47 @@ def print_table(rows, file=None):
               f" {r['sustained_ratio_vs_jnp']:>6.3f} {err:>9}  {_path_label(r)}", file=file)
 
 
+def geometric_means(rows):
+    """Issue 4's headline over the product cases among `rows` (not MLP, dense or chain
+    steps): the geometric mean of the ratio vs jnp.dot, by kernel time and sustained,
+    of "jax_hopper" (the dispatcher's path) and of our kernel (the "kernel" row forced
+    where the dispatcher picked XLA, else the dispatcher's kernel row). None without
+    product cases."""
+    cases = collections.defaultdict(dict)
+    for r in rows:
+        if r["layout"] in LAYOUT_FLAGS:
+            cases[(r["batch"], r["m"], r["n"], r["k"], r["layout"], r["dtype"])][r["variant"]] = r
+    cases = [v for v in cases.values() if "jax_hopper" in v]
+    if not cases:
+        return None
+
+    def forced(v):
+        return next((r for name, r in v.items() if name.split()[0] == "kernel"), v["jax_hopper"])
+
+    def gmean(values):
+        return math.exp(statistics.fmean(math.log(x) for x in values))
+
+    out = {"cases": len(cases)}
+    for label, picked in (("jax_hopper", lambda v: v["jax_hopper"]), ("kernel", forced)):
+        out[label] = {clock: gmean(picked(v)[f"{clock}_ratio_vs_jnp"] for v in cases)
+                      for clock in ("kernel", "sustained")}
+    out["jax_hopper"]["min"] = {clock: min(v["jax_hopper"][f"{clock}_ratio_vs_jnp"] for v in cases)
+                                for clock in ("kernel", "sustained")}
+    return out
+
+
+def print_geometric_means(rows, file=None):
+    g = geometric_means(rows)
+    if g is None:
+        return
+    d, k = g["jax_hopper"], g["kernel"]
+    print(f"geometric mean over {g['cases']} product cases, ratio vs jnp.dot (kernel time / sustained):\n"
+          f"  jax_hopper (the dispatcher's path): {d['kernel']:.3f} / {d['sustained']:.3f}"
+          f" (lowest case {d['min']['kernel']:.3f} / {d['min']['sustained']:.3f})\n"
+          f"  our kernel (forced where the dispatcher picked XLA): {k['kernel']:.3f} / {k['sustained']:.3f}",
+          file=file)
+
+
 def _path_label(r) -> str:
     if r.get("path"):
         return f"{r['path']} ({r['rule']})"
@@ -790,6 +831,7 @@ def main(argv=None):
 
     print("\nsummary")
     print_table(rows)
+    print_geometric_means(rows)
     if args.plot:
         plot(rows, args.plot)
     save_json()

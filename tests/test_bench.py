@@ -77,3 +77,21 @@ def test_tables_go_to_the_current_stdout(capsys):
                         "rule": None}])
     out = capsys.readouterr().out
     assert "kernels of step" in out and "jnp" in out and "kernel ms" in out
+
+
+def test_geometric_means_cover_product_cases_and_our_kernel_forced(capsys):
+    def row(m, variant, kernel, sustained, layout="nn"):
+        return {"batch": 0, "m": m, "n": 8, "k": 8, "layout": layout, "dtype": "f16", "variant": variant,
+                "kernel_ratio_vs_jnp": kernel, "sustained_ratio_vs_jnp": sustained}
+
+    rows = [row(8, "jax_hopper", 2.0, 1.0), row(8, "jnp.dot", 1.0, 1.0),  # the dispatcher ran our kernel
+            row(16, "jax_hopper", 0.5, 1.0), row(16, "kernel small_m", 0.25, 4.0), row(16, "jnp.dot", 1.0, 1.0),
+            row(8, "jax_hopper", 100.0, 100.0, layout="mlp train [gelu_tanh]")]  # a step, not a product
+    g = bench.geometric_means(rows)
+    assert g["cases"] == 2
+    assert g["jax_hopper"]["kernel"] == pytest.approx(1.0) and g["jax_hopper"]["sustained"] == pytest.approx(1.0)
+    assert g["jax_hopper"]["min"] == {"kernel": 0.5, "sustained": 1.0}
+    assert g["kernel"]["kernel"] == pytest.approx(0.5**0.5) and g["kernel"]["sustained"] == pytest.approx(2.0)
+    bench.print_geometric_means(rows)
+    assert "geometric mean over 2 product cases" in capsys.readouterr().out
+    assert bench.geometric_means(rows[-1:]) is None
