@@ -166,7 +166,11 @@ def _unaligned_rows_win(p: Problem) -> bool:
 # 16384x32768x8192; sustained 0.998-1.030x. Where only one of M, N is that large it tied
 # (8192x16384x8192 1.002 / 0.998, 16384x8192x16384 1.005 / 0.999-1.004, 16384x8192x8192
 # 1.002), as at 12288^3 (1.000-1.002) and 8192^3. Other layouts, batches, f32 outputs and
-# the fused kinds were not measured there: XLA.
+# the fused kinds were not measured there: XLA. Through the default path (session of
+# 2026-12-02 14:28, 92a2940 / 4f1a694), the measured shapes ran 1.003-1.021x (sustained
+# 1.029-1.077x), and LM heads, where N is a vocabulary, 1.015-1.039x (sustained
+# 1.035-1.075x; 16384x50304x4096, 16384x128256x4096, 32768x32000x4096, f16 and bf16); with
+# 8192 tokens (M) those tied (1.003-1.012x, sustained 0.994-1.001x) and stay on XLA.
 WIDE_MIN_MN = 16384
 WIDE_MIN_K = 4096
 
@@ -183,7 +187,8 @@ RULES: tuple[Rule, ...] = (
          "decode-like products in jnp.dot's layout"),
     Rule("wide-aligned", _wide_aligned_win, "kernel",
          "aligned, M and N >= 16384, K >= 4096, jnp.dot's layout: our default kernel 0.999-1.029x cuBLASLt by "
-         "kernel time (geometric mean ~1.014 over 12 measurements in 4 processes), 0.998-1.030x sustained",
+         "kernel time (geometric mean ~1.014 over 12 measurements in 4 processes), 0.998-1.030x sustained; "
+         "LM heads (16384 x 50304 or 128256 x 4096, 32768x32000x4096) 1.015-1.039x, 1.035-1.075x sustained",
          fused_too=False),
     Rule("default", lambda p: True, "xla",
          "aligned shapes: our fastest f32 kernel ties cuBLASLt at 6144^3-12288^3 (0.99-1.01x by kernel time, "
