@@ -171,6 +171,9 @@ def _unaligned_rows_win(p: Problem) -> bool:
 # 1.029-1.077x), and LM heads, where N is a vocabulary, 1.015-1.039x (sustained
 # 1.035-1.075x; 16384x50304x4096, 16384x128256x4096, 32768x32000x4096, f16 and bf16); with
 # 8192 tokens (M) those tied (1.003-1.012x, sustained 0.994-1.001x) and stay on XLA.
+# Shorter K lost or tied (16384x16384 x 2048 / 3072: 0.983-0.994x, sustained 0.97x;
+# 16384x32000x3072 1.001-1.005x, sustained 0.98-0.995x; 16384x128256x2048 0.974-1.003x),
+# but for 16384x128256x3072 (1.05x, where cuBLASLt's pick is slow): K stays >= 4096.
 WIDE_MIN_MN = 16384
 WIDE_MIN_K = 4096
 
