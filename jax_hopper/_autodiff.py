@@ -13,8 +13,12 @@ With op(X) = X^T when its flag is set:
   dA = (dC op(B)^T)^T = op(B) dC^T      -> gemm(B, dC, ta=tb, tb=True)       (A stored [K,M])
   dB = op(A)^T dC                       -> gemm(A, dC, ta=not ta, tb=False)  (B stored [K,N])
   dB = (op(A)^T dC)^T = dC^T op(A)      -> gemm(dC, A, ta=True, tb=ta)       (B stored [N,K])
-An f32 cotangent (out_dtype=f32) is rounded to the operands' type first: the kernel
-multiplies 16-bit inputs. With A [..., M, K] (leading dims, a rank-2 B) dA is the same
+An f32 cotangent (out_dtype=f32) of bf16 operands is rounded to bf16 first: the kernel
+multiplies 16-bit inputs. Of f16 operands it stays f32 and its products run XLA's dot, as
+jax's own rule has them (f32 times the f16 operand, rounded once at the end): f16's range
+ends at 65504 and its smallest subnormal is 2^-24, so a loss-scaled cotangent would round
+to inf and a mean over many outputs (1e-9 per logit) to zero, where jnp's gradient is
+finite and nonzero. bf16 has f32's exponent range. With A [..., M, K] (leading dims, a rank-2 B) dA is the same
 product with leading dims; dB contracts them with M: on XLA's path one dot_general over
 all of them (partitioned like jnp's: a sharded sequence dim gives partial sums and an
 all-reduce), on our kernel the folded [L*M, K]^T [L*M, N] product.
@@ -43,8 +47,21 @@ from jax_hopper._primitive import gemm, gemm_p
 from jax_hopper._sharding import is_explicit, merge_drops_explicit_sharding, padded_spec
 
 
-def _as_operand_type(ct, dtype):
-    return ct if ct.dtype == dtype else ct.astype(dtype)
+def _cotangent_for(ct, dtype):
+    """The cotangent as the products use it: in the operands' 16-bit type (our kernel's
+    input), except an f32 one of f16 operands, which stays f32 (module docstring)."""
+    if ct.dtype == dtype or (dtype == jnp.float16 and jnp.dtype(ct.dtype).itemsize > 2):
+        return ct
+    return ct.astype(dtype)
+
+
+def _mixed(a, b):
+    """(wider, narrower) dtype of an f32 cotangent and a 16-bit operand; None when a and b
+    have one type."""
+    if a.dtype == b.dtype:
+        return None
+    wide, narrow = sorted((a.dtype, b.dtype), key=lambda d: jnp.dtype(d).itemsize, reverse=True)
+    return wide, narrow
 
 
 def _problem(a, b, transpose_a, transpose_b):
@@ -84,6 +101,10 @@ def _in_type_of(y, like):
 # operand whose gradient this is (the result has its stored shape and takes its
 # sharding on the XLA path, as jax's own dot transpose does).
 def _product(a, b, *, transpose_a=False, transpose_b=False, like=None):
+    mixed = _mixed(a, b)
+    if mixed is not None:  # an f32 cotangent kept (f16 operands): XLA's dot in f32, as jax's rule
+        return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=mixed[0],
+                              out_sharding=None if like is None else _sharding_of(like)).astype(mixed[1])
     problem = _problem(a, b, transpose_a, transpose_b)
     if _dispatch.choose(problem)[0] == "kernel":
         kernel = _dispatch.kernel_for(problem)
@@ -94,7 +115,7 @@ def _product(a, b, *, transpose_a=False, transpose_b=False, like=None):
 
 def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     del out_dtype, kernel, stages
-    ct = _as_operand_type(ct, b.dtype)
+    ct = _cotangent_for(ct, b.dtype)
     if transpose_a:
         return _product(b, ct, transpose_a=transpose_b, transpose_b=True, like=a)
     return _product(ct, b, transpose_a=False, transpose_b=not transpose_b, like=a)
@@ -114,6 +135,10 @@ def _contracting_leading_dims(x, y, *, like):
     rows = tuple(range(x.ndim - 1))
     r, p, q = math.prod(x.shape[:-1]), x.shape[-1], y.shape[-1]
     foldable = r > 0 and not (_inner_dims_explicitly_sharded(x) or _inner_dims_explicitly_sharded(y))
+    mixed = _mixed(x, y)
+    if mixed is not None:  # an f32 cotangent kept (f16 operands): XLA's dot in f32, as jax's rule
+        return lax.dot_general(x, y, ((rows, rows), ((), ())), preferred_element_type=mixed[0],
+                               out_sharding=_sharding_of(like)).astype(mixed[1])
     problem = _dispatch.problem_of((r, p), (r, q), x.dtype, x.dtype, True, False)
     if foldable and _dispatch.choose(problem)[0] == "kernel":
         return _product(x.reshape(r, p), y.reshape(r, q), transpose_a=True, like=like)
@@ -122,7 +147,7 @@ def _contracting_leading_dims(x, y, *, like):
 
 def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     del out_dtype, kernel, stages
-    ct = _as_operand_type(ct, a.dtype)
+    ct = _cotangent_for(ct, a.dtype)
     if a.ndim > _aval(b).ndim:  # A [..., M, K] (not transposed): contract its leading dims and M
         return _contracting_leading_dims(ct, a, like=b) if transpose_b else _contracting_leading_dims(a, ct, like=b)
     if transpose_b:

@@ -246,14 +246,43 @@ def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element
     return _path(plan, lhs, out, accumulation)[:2]
 
 
-def _promote(a, b):
-    """jnp's promotion of the pair, or None where the result is weakly typed (both
-    operands weak: jax's own function keeps that). A weak operand does not widen the
-    other (bf16 x a weak f32 array is bf16)."""
+def _converts_exactly(source, target) -> bool:
+    """Whether every value of dtype `source` is one of dtype `target` (int8 -> f16 yes,
+    int16 -> f16 or f32 -> bf16 no)."""
+    source, target = np.dtype(source), np.dtype(target)
+    if source == target or source == np.bool_:
+        return True
+    if not jnp.issubdtype(target, jnp.floating):
+        return False
+    to = jnp.finfo(target)
+    if jnp.issubdtype(source, jnp.integer):  # integers up to 2^(nmant + 1) are exact
+        info = jnp.iinfo(source)
+        return info.bits - (1 if info.min < 0 else 0) <= to.nmant + 1
+    if jnp.issubdtype(source, jnp.floating):
+        fr = jnp.finfo(source)
+        return fr.nmant <= to.nmant and fr.maxexp <= to.maxexp and fr.minexp >= to.minexp
+    return False
+
+
+def _promote(a, b, preferred_element_type):
+    """Both operands in jnp's promoted type, or None where jnp's own function must run:
+    a weakly typed result (both operands weak: jax's function keeps that); a conversion
+    that would change a value (jnp does not convert: lax.dot_general takes the operands
+    as given, so int16 against bf16 keeps 257 where bf16 has 256); or a non-floating
+    preferred_element_type (lax converts mixed operands to it first). A weak operand
+    does not widen the other (bf16 x a weak f32 array is bf16), and is converted only
+    where that is exact (a weak f32 array against bf16 is jnp's own product)."""
     dtype, weak = jax.dtypes.result_type(a, b, return_weak_type_flag=True)
     if weak:
         return None
-    return tuple(x if isinstance(x, jax.Array) and x.dtype == dtype else jnp.asarray(x, dtype) for x in (a, b))
+    if preferred_element_type is not None and not jnp.issubdtype(preferred_element_type, jnp.floating):
+        return None
+    # An operand's own dtype (jnp.result_type of a lone weak array is the default float).
+    if not all(_converts_exactly(x.dtype if hasattr(x, "dtype") else jnp.result_type(x), dtype) for x in (a, b)):
+        return None
+    # The pair's type is strong here, so a weak operand of it becomes strong (no value changes).
+    return tuple(x if isinstance(x, jax.Array) and x.dtype == dtype and not jax.typeof(x).weak_type
+                 else jnp.asarray(x, dtype) for x in (a, b))
 
 
 def dot(a, b, *, precision=None, preferred_element_type=None, out_sharding=None, accumulation="f32"):
@@ -264,7 +293,7 @@ def dot(a, b, *, precision=None, preferred_element_type=None, out_sharding=None,
     if out_sharding is not None:
         return fn(a, b, out_sharding=out_sharding)
     _check("dot", fn, a, b)
-    promoted = None if np.ndim(a) == 0 or np.ndim(b) == 0 else _promote(a, b)
+    promoted = None if np.ndim(a) == 0 or np.ndim(b) == 0 else _promote(a, b, preferred_element_type)
     if promoted is None:
         return fn(a, b)  # scalar products are elementwise (nothing is summed); weak results
     a, b = promoted
@@ -288,7 +317,7 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
     if not (_is_array(a) and _is_array(b)):
         raise TypeError(f"jax_hopper.matmul: operands must be jax or numpy arrays, got "
                         f"{type(a).__name__} and {type(b).__name__}")
-    promoted = _promote(a, b)
+    promoted = _promote(a, b, preferred_element_type)
     if promoted is None:
         return fn(a, b)
     a, b = promoted

@@ -112,6 +112,23 @@ def test_mixed_16_bit_and_integer_promotes_like_jnp_and_runs_the_kernel():
     assert jax_hopper.dot(a, b).dtype == jnp.dot(a, b).dtype == jnp.float16
 
 
+@pytest.mark.parametrize("x,w,preferred", [
+    (jnp.ones((2, 4), jnp.bfloat16), jnp.full((4, 3), 257, jnp.int16), jnp.float32),  # 257 is not a bf16
+    (jnp.ones((2, 4), jnp.float16), jnp.full((4, 3), 100000, jnp.int32), jnp.float32),  # past f16's range
+    (jnp.full((2, 4), 1.7, jnp.float16), jnp.full((4, 3), 1.7, jnp.float32), jnp.int32),  # lax truncates first
+    (jnp.full((2, 4), 1.7, jnp.float16), jnp.full((4, 3), 1.7, jnp.float32), None),
+], ids=["bf16-int16", "f16-int32", "int-result", "f16-f32"])
+def test_mixed_operands_are_multiplied_as_jnp_does(x, w, preferred):
+    # jnp.dot / matmul hand mixed operands to lax.dot_general as they are. Converting
+    # both to the promoted type first (int16 -> bf16, int32 -> f16) changed values, and
+    # an integer result truncates the operands before the product in lax, not after.
+    for ours_fn, ref_fn in [(jax_hopper.dot, jnp.dot), (jax_hopper.matmul, jnp.matmul)]:
+        ours = jax.jit(lambda a, b: ours_fn(a, b, preferred_element_type=preferred))(x, w)
+        ref = ref_fn(x, w, preferred_element_type=preferred)
+        assert ours.dtype == ref.dtype
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+
+
 def test_accepts_out_sharding_keyword_like_lax():
     a = jnp.ones((4, 8), jnp.bfloat16)
     b = jnp.ones((8, 2), jnp.bfloat16)
@@ -138,17 +155,22 @@ def _weak_f32(shape):
     return jnp.full(shape, 0.02)  # a Python float fill: f32, weakly typed
 
 
-def test_a_weak_operand_does_not_widen_the_result_and_the_kernel_still_runs():
-    """jnp promotes the pair jointly: bf16 x a weak f32 array is bf16 (promoting each
-    operand on its own widened it to f32 and left the kernel out)."""
+def test_a_weak_operand_does_not_widen_the_result_nor_lose_its_bits():
+    """jnp types the pair jointly: bf16 x a weak f32 array is bf16 (promoting each operand
+    on its own widened it to f32). But jnp multiplies the weak f32 values as they are:
+    rounding them to bf16 for our kernel changed the product (1.001 -> 1.0 below), so
+    such a pair is jnp's own product. A weak 16-bit operand (exact in the pair's type)
+    still runs the kernel."""
     x = jnp.ones((16, 32), jnp.bfloat16)
-    w = _weak_f32((32, 8))
+    w = _weak_f32((32, 8)) * 1.001
     assert w.weak_type
     for ours_fn, ref_fn in [(jax_hopper.dot, jnp.dot), (jax_hopper.matmul, jnp.matmul)]:
         ours, ref = ours_fn(x, w), ref_fn(x, w)
         assert (ours.dtype, ours.weak_type) == (ref.dtype, ref.weak_type) == (jnp.bfloat16, False)
+        ours32, ref32 = (f(x, w, preferred_element_type=jnp.float32) for f in (ours_fn, ref_fn))
+        np.testing.assert_array_equal(np.asarray(ours32), np.asarray(ref32))
         with jax_hopper.dispatch("kernel"):
-            assert TARGET_CALL in cuda_text(lambda a, b: ours_fn(a, b), x, w)
+            assert TARGET_CALL in cuda_text(lambda a, b: ours_fn(a, b), x, weak(w, jnp.bfloat16))
         # A weak vector operand too.
         assert ours_fn(x, _weak_f32((32,))).dtype == ref_fn(x, _weak_f32((32,))).dtype
 
