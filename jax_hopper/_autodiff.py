@@ -18,10 +18,11 @@ multiplies 16-bit inputs. Of f16 operands it stays f32 and its products run XLA'
 jax's own rule has them (f32 times the f16 operand, rounded once at the end): f16's range
 ends at 65504 and its smallest subnormal is 2^-24, so a loss-scaled cotangent would round
 to inf and a mean over many outputs (1e-9 per logit) to zero, where jnp's gradient is
-finite and nonzero. bf16 has f32's exponent range. With A [..., M, K] (leading dims, a rank-2 B) dA is the same
-product with leading dims; dB contracts them with M: on XLA's path one dot_general over
-all of them (partitioned like jnp's: a sharded sequence dim gives partial sums and an
-all-reduce), on our kernel the folded [L*M, K]^T [L*M, N] product.
+finite and nonzero. bf16 has f32's exponent range.
+With A [..., M, K] (leading dims, a rank-2 B) dA is the same product with leading dims;
+dB contracts them with M: on XLA's path one dot_general over all of them (partitioned
+like jnp's: a sharded sequence dim gives partial sums and an all-reduce), on our kernel
+the folded [L*M, K]^T [L*M, N] product.
 """
 
 from __future__ import annotations
