@@ -246,24 +246,6 @@ def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element
     return _path(plan, lhs, out, accumulation)[:2]
 
 
-def _converts_exactly(source, target) -> bool:
-    """Whether every value of dtype `source` is one of dtype `target` (int8 -> f16 yes,
-    int16 -> f16 or f32 -> bf16 no)."""
-    source, target = np.dtype(source), np.dtype(target)
-    if source == target or source == np.bool_:
-        return True
-    if not jnp.issubdtype(target, jnp.floating):
-        return False
-    to = jnp.finfo(target)
-    if jnp.issubdtype(source, jnp.integer):  # integers up to 2^(nmant + 1) are exact
-        info = jnp.iinfo(source)
-        return info.bits - (1 if info.min < 0 else 0) <= to.nmant + 1
-    if jnp.issubdtype(source, jnp.floating):
-        fr = jnp.finfo(source)
-        return fr.nmant <= to.nmant and fr.maxexp <= to.maxexp and fr.minexp >= to.minexp
-    return False
-
-
 def _promote(a, b, preferred_element_type):
     """Both operands in jnp's promoted type, or None where jnp's own function must run:
     a weakly typed result (both operands weak: jax's function keeps that); a conversion
@@ -277,8 +259,9 @@ def _promote(a, b, preferred_element_type):
         return None
     if preferred_element_type is not None and not jnp.issubdtype(preferred_element_type, jnp.floating):
         return None
-    # An operand's own dtype (jnp.result_type of a lone weak array is the default float).
-    if not all(_converts_exactly(x.dtype if hasattr(x, "dtype") else jnp.result_type(x), dtype) for x in (a, b)):
+    # A "safe" cast keeps every value (int8 -> f16 yes; int16 -> f16, f32 -> bf16 no). An
+    # operand's own dtype: jnp.result_type of a lone weak array is the default float.
+    if not all(np.can_cast(x.dtype if hasattr(x, "dtype") else jnp.result_type(x), dtype, "safe") for x in (a, b)):
         return None
     # The pair's type is strong here, so a weak operand of it becomes strong (no value changes).
     return tuple(x if isinstance(x, jax.Array) and x.dtype == dtype and not jax.typeof(x).weak_type
