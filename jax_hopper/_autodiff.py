@@ -13,12 +13,16 @@ With op(X) = X^T when its flag is set:
   dA = (dC op(B)^T)^T = op(B) dC^T      -> gemm(B, dC, ta=tb, tb=True)       (A stored [K,M])
   dB = op(A)^T dC                       -> gemm(A, dC, ta=not ta, tb=False)  (B stored [K,N])
   dB = (op(A)^T dC)^T = dC^T op(A)      -> gemm(dC, A, ta=True, tb=ta)       (B stored [N,K])
-An f32 cotangent (out_dtype=f32) of bf16 operands is rounded to bf16 first: the kernel
-multiplies 16-bit inputs. Of f16 operands it stays f32 and its products run XLA's dot, as
-jax's own rule has them (f32 times the f16 operand, rounded once at the end): f16's range
-ends at 65504 and its smallest subnormal is 2^-24, so a loss-scaled cotangent would round
-to inf and a mean over many outputs (1e-9 per logit) to zero, where jnp's gradient is
-finite and nonzero. bf16 has f32's exponent range.
+An f32 cotangent (out_dtype=f32) is rounded to the operands' 16-bit type first, so the
+backward products multiply 16-bit inputs (on our kernel, or cuBLAS at its 16-bit rate;
+jax's own rule runs a mixed f32 x 16-bit dot). bf16 has f32's exponent range and is
+rounded as it is. f16's range ends at 65504 and its smallest subnormal is 2^-24: a
+loss-scaled cotangent would round to inf and a mean over many outputs (1e-9 per logit)
+to zero. So an f16 one is first scaled by a power of two that puts its largest magnitude
+in [2^14, 2^15); the product is taken in f32, the scale undone exactly, and the gradient
+rounded once to f16. Each entry is rounded to 11 bits of itself, or to 2^-39 of the
+largest where it is that small (f16's subnormals); jax's rule keeps 24 bits. That is
+an f16 product's own error: every gradient is an f16 value rounded to 11 bits anyway.
 With A [..., M, K] (leading dims, a rank-2 B) dA is the same product with leading dims;
 dB contracts them with M: on XLA's path one dot_general over all of them (partitioned
 like jnp's: a sharded sequence dim gives partial sums and an all-reduce), on our kernel
@@ -48,25 +52,41 @@ from jax_hopper._primitive import gemm, gemm_p
 from jax_hopper._sharding import is_explicit, merge_drops_explicit_sharding, padded_spec
 
 
-def _cotangent_for(ct, dtype):
-    """The cotangent as the products use it: in the operands' 16-bit type (our kernel's
-    input), except an f32 one of f16 operands, which stays f32 (module docstring)."""
-    if ct.dtype == dtype or (dtype == jnp.float16 and jnp.dtype(ct.dtype).itemsize > 2):
-        return ct
-    return ct.astype(dtype)
+# f32's exponent field: 2^e for an integer e is the bit pattern (e + bias) << mantissa bits.
+F32_EXPONENT_BIAS = 127
+F32_MANTISSA_BITS = 23
+# A scaled f16 cotangent's largest magnitude lies in [2^14, 2^15): below 65504 after
+# rounding, leaving f16's 2^-24..2^15 range to its smaller values.
+F16_SCALED_EXPONENT = 15
+# Scales stay within 2^+-100 (normal f32 both ways); a cotangent below 2^-85 is not
+# scaled all the way up (it still rounds to f16 without overflow).
+MAX_SCALE_EXPONENT = 100
 
 
-def _mixed(a, b):
-    """(wider, narrower) dtype of an f32 cotangent and a 16-bit operand; None when a and b
-    have one type."""
-    if a.dtype == b.dtype:
-        return None
-    wide, narrow = sorted((a.dtype, b.dtype), key=lambda d: jnp.dtype(d).itemsize, reverse=True)
-    return wide, narrow
+def _pow2(e):
+    """2.0^e in f32, exactly, for an integer e within +-MAX_SCALE_EXPONENT."""
+    return lax.bitcast_convert_type((e + F32_EXPONENT_BIAS).astype(jnp.int32) << F32_MANTISSA_BITS, jnp.float32)
 
 
-def _problem(a, b, transpose_a, transpose_b):
-    return _dispatch.problem_of(a.shape, b.shape, a.dtype, a.dtype, transpose_a, transpose_b)
+def _rounded_cotangent(ct, dtype):
+    """(the cotangent in the operands' 16-bit type, the factor 2^-s that undoes its scale
+    on an f32 product, or None where it is not scaled): module docstring."""
+    if ct.dtype == dtype or dtype != jnp.float16:
+        return ct.astype(dtype), None
+    _, e = jnp.frexp(jnp.max(jnp.abs(ct)))  # max < 2^e; inf and nan give e = 0 and propagate as in jnp
+    s = jnp.clip(F16_SCALED_EXPONENT - e, -MAX_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
+    return (ct * _pow2(s)).astype(dtype), _pow2(-s)
+
+
+def _unscaled(product, undo, dtype):
+    """The gradient from the product of a rounded cotangent (its f32 product, scale undone,
+    rounded once to the operands' type where it was scaled)."""
+    return product if undo is None else (product * undo).astype(dtype)
+
+
+def _problem(a, b, transpose_a, transpose_b, out_dtype=None):
+    return _dispatch.problem_of(a.shape, b.shape, a.dtype, a.dtype if out_dtype is None else out_dtype, transpose_a,
+                                transpose_b)
 
 
 def _kernel_chosen(a, b, transpose_a, transpose_b) -> bool:
@@ -101,25 +121,26 @@ def _in_type_of(y, like):
 # has no NT/TN instances to reuse) or XLA's dot, as the dispatcher says. `like`: the
 # operand whose gradient this is (the result has its stored shape and takes its
 # sharding on the XLA path, as jax's own dot transpose does).
-def _product(a, b, *, transpose_a=False, transpose_b=False, like=None):
-    mixed = _mixed(a, b)
-    if mixed is not None:  # an f32 cotangent kept (f16 operands): XLA's dot in f32, as jax's rule
-        return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=mixed[0],
-                              out_sharding=None if like is None else _sharding_of(like)).astype(mixed[1])
-    problem = _problem(a, b, transpose_a, transpose_b)
+def _product(a, b, *, transpose_a=False, transpose_b=False, like=None, out_dtype=None):
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    problem = _problem(a, b, transpose_a, transpose_b, out_dtype)
     if _dispatch.choose(problem)[0] == "kernel":
         kernel = _dispatch.kernel_for(problem)
-        return _in_type_of(gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b, kernel=kernel), like)
-    return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=a.dtype,
+        return _in_type_of(gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype,
+                                kernel=kernel), like)
+    return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype,
                           out_sharding=None if like is None else _sharding_of(like))
 
 
 def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     del out_dtype, kernel, stages
-    ct = _cotangent_for(ct, b.dtype)
+    ct, undo = _rounded_cotangent(ct, b.dtype)
+    out_dtype = ct.dtype if undo is None else jnp.float32
     if transpose_a:
-        return _product(b, ct, transpose_a=transpose_b, transpose_b=True, like=a)
-    return _product(ct, b, transpose_a=False, transpose_b=not transpose_b, like=a)
+        product = _product(b, ct, transpose_a=transpose_b, transpose_b=True, like=a, out_dtype=out_dtype)
+    else:
+        product = _product(ct, b, transpose_a=False, transpose_b=not transpose_b, like=a, out_dtype=out_dtype)
+    return _unscaled(product, undo, b.dtype)
 
 
 def _inner_dims_explicitly_sharded(x) -> bool:
@@ -128,32 +149,36 @@ def _inner_dims_explicitly_sharded(x) -> bool:
     return merge_drops_explicit_sharding(_aval(x), 0, x.ndim - 2)
 
 
-def _contracting_leading_dims(x, y, *, like):
-    """x^T y over all leading dims and the rows of x [..., R, P] and y [..., R, Q]: [P, Q].
+def _contracting_leading_dims(x, y, *, like, out_dtype=None):
+    """x^T y over all leading dims and the rows of x [..., R, P] and y [..., R, Q]: [P, Q]
+    (in out_dtype, default x's).
     On our kernel the contracted dims are folded into one (under Auto mesh axes a sharded
     inner one is gathered first); on XLA's path, and where explicit axes shard an inner
     one, one dot_general contracts them all (partial sums and an all-reduce, as jnp)."""
     rows = tuple(range(x.ndim - 1))
     r, p, q = math.prod(x.shape[:-1]), x.shape[-1], y.shape[-1]
     foldable = r > 0 and not (_inner_dims_explicitly_sharded(x) or _inner_dims_explicitly_sharded(y))
-    mixed = _mixed(x, y)
-    if mixed is not None:  # an f32 cotangent kept (f16 operands): XLA's dot in f32, as jax's rule
-        return lax.dot_general(x, y, ((rows, rows), ((), ())), preferred_element_type=mixed[0],
-                               out_sharding=_sharding_of(like)).astype(mixed[1])
-    problem = _dispatch.problem_of((r, p), (r, q), x.dtype, x.dtype, True, False)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    problem = _dispatch.problem_of((r, p), (r, q), x.dtype, out_dtype, True, False)
     if foldable and _dispatch.choose(problem)[0] == "kernel":
-        return _product(x.reshape(r, p), y.reshape(r, q), transpose_a=True, like=like)
-    return lax.dot_general(x, y, ((rows, rows), ((), ())), out_sharding=_sharding_of(like))
+        return _product(x.reshape(r, p), y.reshape(r, q), transpose_a=True, like=like, out_dtype=out_dtype)
+    preferred = None if out_dtype == x.dtype else out_dtype
+    return lax.dot_general(x, y, ((rows, rows), ((), ())), preferred_element_type=preferred,
+                           out_sharding=_sharding_of(like))
 
 
 def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     del out_dtype, kernel, stages
-    ct = _cotangent_for(ct, a.dtype)
+    ct, undo = _rounded_cotangent(ct, a.dtype)
+    out_dtype = ct.dtype if undo is None else jnp.float32
     if a.ndim > _aval(b).ndim:  # A [..., M, K] (not transposed): contract its leading dims and M
-        return _contracting_leading_dims(ct, a, like=b) if transpose_b else _contracting_leading_dims(a, ct, like=b)
-    if transpose_b:
-        return _product(ct, a, transpose_a=True, transpose_b=transpose_a, like=b)
-    return _product(a, ct, transpose_a=not transpose_a, transpose_b=False, like=b)
+        x, y = (ct, a) if transpose_b else (a, ct)
+        product = _contracting_leading_dims(x, y, like=b, out_dtype=out_dtype)
+    elif transpose_b:
+        product = _product(ct, a, transpose_a=True, transpose_b=transpose_a, like=b, out_dtype=out_dtype)
+    else:
+        product = _product(a, ct, transpose_a=not transpose_a, transpose_b=False, like=b, out_dtype=out_dtype)
+    return _unscaled(product, undo, a.dtype)
 
 
 ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)

@@ -63,6 +63,15 @@ def local_gpus_are_hopper() -> bool:
     return all(str(getattr(d, "compute_capability", "9.0")).startswith("9") for d in devices)
 
 
+def hopper_gpus_visible() -> bool:
+    """Whether this process sees CUDA GPUs, all of them Hoppers (not merely a machine
+    lowering for CUDA without one)."""
+    try:
+        return bool(jax.devices("cuda")) and local_gpus_are_hopper()
+    except RuntimeError:
+        return False
+
+
 def kernel_unavailable_reason() -> str | None:
     """Why a product sent to the kernel computes through XLA's dot here instead (not
     built, or a CUDA GPU that is not a Hopper), or None where the kernel runs."""

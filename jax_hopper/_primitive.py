@@ -42,6 +42,10 @@ KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3,
            "persistent_streamk": 6, "persistent_f16acc": 7, "small_m": 8, "persistent_pingpong": 9,
            "persistent_immediate": 10, "persistent_static": 11}
 DEFAULT_KERNEL = "persistent"
+# Not one of ours: the primitive lowered to XLA's dot (as off CUDA). For a product the
+# dispatcher leaves to XLA whose derivative should still follow _autodiff's rules (an f32
+# result of f16 operands: the cotangent rounded, the backward products at the 16-bit rate).
+XLA_KERNEL = "xla"
 F16_ACCUMULATION_KERNEL = "persistent_f16acc"
 SMALL_M_KERNEL = "small_m"
 PINGPONG_KERNEL = "persistent_pingpong"  # experimental, never dispatched
@@ -123,6 +127,8 @@ def _reference(a, b, *, transpose_a, transpose_b, out_dtype):
 
 
 def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
+    if kernel == XLA_KERNEL:
+        return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
     reason = _ffi.kernel_unavailable_reason()
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
@@ -213,9 +219,10 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, out_dtyp
     kernel exists for f16/bf16 in jnp.dot's layout only (its 2- and 3-stage depths for
     f16 only), the persistent one in every layout with 4 stages, the f16-accumulating
     one for f16 in every layout with 3. `stages=None` takes the kernel's own depth.
+    XLA_KERNEL lowers to XLA's dot.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    if kernel not in KERNELS and kernel != XLA_KERNEL:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)} or {XLA_KERNEL!r}, got {kernel!r}")
     if stages is None:
         stages = stages_of(kernel)
     out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)

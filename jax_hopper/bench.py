@@ -8,6 +8,7 @@
     python -m jax_hopper.bench --shapes= --mlp 8192x4096x16384,16384x8192x28672   # fused dense blocks
     python -m jax_hopper.bench --shapes= --dense 8192x4096x16384 --activations relu,gelu_tanh,silu
     python -m jax_hopper.bench --shapes= --chain 256,1024,1279   # the host's cost per call
+    python -m jax_hopper.bench --shapes= --lm-head 16384x4096x128256   # f32 logits and their gradients
 
 Protocol (../shared/GUIDE.md section 5): the seed's data (standard normal scaled by
 K^-1/4, so C has unit variance); enough distinct input sets that they do not fit in L2,
@@ -625,6 +626,41 @@ def bench_dense(tokens, d_in, d_out, dtype_name, activation, progress):
                           auto_path=_dispatch.choose_dense(problem, activation, policy="auto"))
 
 
+def bench_lm_head(tokens, d_model, vocab, dtype_name, progress):
+    """A language model's output layer as mixed-precision models write it: 16-bit hidden
+    states h and weights W, f32 logits (``preferred_element_type=f32``), mean cross-entropy
+    against random labels. The loss alone and a training step (gradients of h and W, whose
+    cotangent is f32: the backward products take it against a 16-bit operand), through
+    jax_hopper.dot (the dispatcher's choice, and our kernel forced) against jnp.dot."""
+    dtype = DTYPES[dtype_name]
+    keys = jax.random.split(jax.random.key(3), 3)
+    h = jax.random.normal(keys[0], (tokens, d_model), jnp.float32).astype(dtype)
+    params = ((jax.random.normal(keys[1], (d_model, vocab), jnp.float32) / d_model**0.5).astype(dtype),
+              jax.random.randint(keys[2], (tokens,), 0, vocab))
+
+    def loss(dot):
+        def run(h, p):
+            logits = dot(h, p[0], preferred_element_type=jnp.float32)
+            picked = jnp.take_along_axis(logits, p[1][:, None], axis=-1)[:, 0]
+            return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+        return run
+
+    def train(dot):  # gradients of h and W (not of the integer labels)
+        return lambda h, p: jax.grad(lambda h, w: loss(dot)(h, (w, p[1])), argnums=(0, 1))(h, p[0])
+
+    problem = _dispatch.problem_of((tokens, d_model), (d_model, vocab), dtype, jnp.float32, False, False)
+    auto_path = _dispatch.choose(problem, policy="auto")
+    rows = []
+    for step, fn, products in (("forward", loss, 1), ("train", train, 3)):
+        fns = {"jax_hopper": _kernel_forced(fn(jax_hopper.dot)), "jax_hopper auto": _auto(fn(jax_hopper.dot)),
+               "jnp": fn(jnp.dot)}
+        meta = {"batch": 0, "m": tokens, "n": vocab, "k": d_model, "layout": f"lm head {step} [f32 logits]",
+                "dtype": dtype_name}
+        rows += _time_variants(fns, h, params, 2.0 * tokens * d_model * vocab * products, meta, progress,
+                               auto_path=auto_path)
+    return rows
+
+
 def bench_chain(size, length, dtype_name, progress):
     """The host side per call: one jitted program of `length` dependent products
     x <- x @ W_i (size^3 each, so every kernel waits for the previous one), ours (kernel
@@ -716,6 +752,8 @@ def main(argv=None):
                    "gelu_tanh, gelu_exact, silu")
     p.add_argument("--breakdown", action="store_true", help="for --mlp and --dense steps, also time each "
                    "variant's kernels one by one (CUPTI, median per kernel) and print them")
+    p.add_argument("--lm-head", default="", help="comma-separated TOKENSxDMODELxVOCAB output layers: 16-bit "
+                   "h and W, f32 logits, cross-entropy; the loss and its training step (gradients of h and W)")
     p.add_argument("--chain", default="", help="comma-separated sizes N: one jitted chain of --chain-length "
                    "dependent NxNxN products, ours vs jnp.dot; with short kernels its sustained time is the "
                    "host's cost per product")
@@ -806,6 +844,16 @@ def main(argv=None):
                 print_table(dense_rows)
                 rows.extend(dense_rows)
                 save_json()
+
+    for text in filter(None, args.lm_head.split(",")):
+        tokens, d_model, vocab = (int(x) for x in text.lower().split("x"))
+        for d in dtypes:
+            head_rows = bench_lm_head(tokens, d_model, vocab, d,
+                                      lambda: print(".", end="", file=sys.stderr, flush=True))
+            print(file=sys.stderr)
+            print_table(head_rows)
+            rows.extend(head_rows)
+            save_json()
 
     for size in (int(t) for t in filter(None, args.chain.split(","))):
         for d in dtypes:

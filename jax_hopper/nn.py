@@ -8,6 +8,10 @@ shapes and initialisers as ``flax.linen.Dense`` ("kernel" [in, features], "bias"
 ``MLP`` is the block ``Dense -> activation -> Dense`` (+ an optional residual) through
 ``jax_hopper.mlp``; its parameters are those of that block written with two
 ``flax.linen.Dense`` layers ("Dense_0", "Dense_1").
+
+A residual is added in the kernel's epilogue where it converts to the layer's dtype
+exactly; a wider one (an f32 residual stream around a bf16 layer) is added after the
+layer, so the result has its type, as ``residual + flax.linen.Dense(...)(x)`` would.
 """
 
 from __future__ import annotations
@@ -28,6 +32,18 @@ def _dense_params(module, in_features):
     return kernel, bias
 
 
+def _fusable(residual, dtype):
+    """(the residual to add in the kernel's epilogue, the one to add after it) for a layer
+    computing in `dtype`. `residual + layer(x)` in flax promotes: a residual wider than
+    the layer (an f32 stream around a bf16 layer) gives a wider result, so it is added
+    after, as jnp would; one that converts to `dtype` exactly is fused."""
+    if residual is None:
+        return None, None
+    if jnp.promote_types(jnp.result_type(residual), dtype) == dtype:
+        return jnp.asarray(residual).astype(dtype), None
+    return None, residual
+
+
 class Dense(nn.Module):
     features: int
     use_bias: bool = True
@@ -40,8 +56,10 @@ class Dense(nn.Module):
     @nn.compact
     def __call__(self, x, residual=None):
         kernel, bias = _dense_params(self, jnp.shape(x)[-1])
-        x, kernel, bias, residual = nn.dtypes.promote_dtype(x, kernel, bias, residual, dtype=self.dtype)
-        return dense(x, kernel, bias, activation=self.activation, residual=residual)
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        fused, residual = _fusable(residual, x.dtype)
+        y = dense(x, kernel, bias, activation=self.activation, residual=fused)
+        return y if residual is None else residual + y
 
 
 class _DenseParams(nn.Module):
@@ -75,5 +93,7 @@ class MLP(nn.Module):
                      bias_init=self.bias_init)
         w1, b1 = _DenseParams(self.hidden_features, name="Dense_0", **layer)(d_in)
         w2, b2 = _DenseParams(out, name="Dense_1", **layer)(self.hidden_features)
-        x, w1, b1, w2, b2, residual = nn.dtypes.promote_dtype(x, w1, b1, w2, b2, residual, dtype=self.dtype)
-        return mlp(x, w1, b1, w2, b2, activation=self.activation, residual=residual)
+        x, w1, b1, w2, b2 = nn.dtypes.promote_dtype(x, w1, b1, w2, b2, dtype=self.dtype)
+        fused, residual = _fusable(residual, x.dtype)
+        y = mlp(x, w1, b1, w2, b2, activation=self.activation, residual=fused)
+        return y if residual is None else residual + y

@@ -29,9 +29,9 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 # _autodiff and _batching are imported for their side effect: they register the rules.
-from jax_hopper import _autodiff, _batching, _dispatch  # noqa: F401
+from jax_hopper import _autodiff, _batching, _dispatch, _ffi  # noqa: F401
 from jax_hopper._dimension_numbers import plan_dot_general
-from jax_hopper._primitive import F16_ACCUMULATION_KERNEL, KERNEL_DTYPES, gemm
+from jax_hopper._primitive import F16_ACCUMULATION_KERNEL, KERNEL_DTYPES, XLA_KERNEL, gemm
 from jax_hopper._sharding import is_explicit, padded_spec
 
 F32 = jnp.dtype(jnp.float32)
@@ -223,14 +223,35 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
                                out_sharding=out_sharding)
     fn, out, plan = _planned("dot_general", lhs, rhs, dimension_numbers, precision, preferred_element_type)
     path = None if plan is None else _path(plan, lhs, out, accumulation)
-    if path is None or path[0] == "xla":
+    if path is None:
         return fn(lhs, rhs)
+    kernel = path[2]
+    if path[0] == "xla":
+        if not _rounds_f32_cotangent(lhs, out, plan, precision):
+            return fn(lhs, rhs)
+        kernel = XLA_KERNEL
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     a = lhs if plan.lhs_perm is None else jnp.transpose(lhs, plan.lhs_perm)
     b = rhs if plan.rhs_perm is None else jnp.transpose(rhs, plan.rhs_perm)
     c = gemm(a.reshape(plan.lhs_shape), b.reshape(plan.rhs_shape), transpose_a=plan.transpose_a,
-             transpose_b=plan.transpose_b, out_dtype=out.dtype, kernel=path[2])
+             transpose_b=plan.transpose_b, out_dtype=out.dtype, kernel=kernel)
     return checkpoint_name(c.reshape(plan.out_shape), PRODUCT_NAME)
+
+
+def _rounds_f32_cotangent(lhs, out, plan, precision) -> bool:
+    """Whether a product the dispatcher leaves to XLA still binds our primitive (lowered to
+    XLA's dot) for its derivative: an f32 result of f16 operands, whose f32 cotangent
+    jax's rule multiplies in a mixed f32 x f16 dot, which on the GPU runs as TF32 (the
+    cotangent rounded to 11 bits, at TF32's rate). Ours rounds it to f16 after a power-of-
+    two scale (_autodiff: the same 11 bits, f32's range) and runs 16-bit products: an LM
+    head's training step 1.76x faster (BENCHMARKS.md, session of 2026-12-02 17:25). Only
+    under "auto" on a GPU with our kernel (off the GPU jax's f32 dot keeps 24 bits), at
+    the default precision (an explicit one, or jax_default_matmul_precision, asks for
+    jax's f32 products), and where the operands need no transposing copy."""
+    return (out.dtype == F32 and lhs.dtype == F16 and plan.lhs_perm is None and plan.rhs_perm is None
+            and _default_precision(precision) and jax.config.jax_default_matmul_precision is None
+            and _dispatch.current_policy() == "auto" and _ffi.kernel_unavailable_reason() is None
+            and _ffi.hopper_gpus_visible())
 
 
 def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
@@ -360,9 +381,10 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     same answers as the user's own jnp, at its speed). Differentiable (each product of
     the derivative is dispatched like a plain product; where only the activation picked
     the kernel, the value and gradient under differentiation are jnp's -- except exact
-    GELU without a residual where the derivative kind runs: one launch then writes
-    act(z) and act'(z), and the backward pass multiplies by act'(z); in a program
-    spanning devices that launch lowers to jnp's computation) and vmappable.
+    GELU, tanh-GELU and SiLU without a residual where the derivative kind runs
+    (_dispatch.choose_dense_with_derivative): one launch then writes act(z) and act'(z),
+    and the backward pass multiplies by act'(z); in a program spanning devices that
+    launch lowers to jnp's computation) and vmappable.
     """
     from jax_hopper._fallback import dense_like_jnp
     from jax_hopper._fused import fused_dense
@@ -410,16 +432,17 @@ def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
     or "silu". Undifferentiated it is ``dense(dense(x, w1, b1, activation=...), w2, b2,
     residual=residual)``; differentiated (reverse mode only: jax.grad, jax.vjp) the
     forward saves the pre-activation z1 = x w1 + b1 and act(z1) in the operands' type,
-    as jnp's block does. The backward form runs on our kernel under policy "kernel"
-    only (measured slower than the product plus XLA's pass, so "auto" never picks it),
-    for an even F, on one device (a program spanning several computes it through XLA;
-    operands typed with explicit mesh axes take the product and XLA's pass). With exact
-    GELU, where the dispatcher runs the fused kernel on the first layer (rule
-    "fused-activation"; F a multiple of 8), the forward instead saves act'(z1), written
-    by the same kernel launch as act(z1), and the backward multiplies by it instead of
-    recomputing act' (measured 1.038x jnp's training step at 8192x4096x16384). Each
-    product is dispatched like a plain one. Operands of one 16-bit type use this path;
-    anything else is computed as jnp would.
+    as jnp's block does. The backward form runs on our kernel under policy "kernel", and
+    under "auto" where it was measured ahead with the bias gradient summed in its
+    epilogue (rule "backward-form-with-bias-gradient": every dimension >= 4096, model
+    width <= 8192), for F a multiple of 8, on one device (a program spanning several
+    computes it through XLA; operands typed with explicit mesh axes take the product and
+    XLA's pass). With exact GELU, tanh-GELU or SiLU, where the dispatcher runs the
+    derivative kind on the first layer (rules "fused-activation" and "saved-derivative";
+    F a multiple of 8), the forward instead saves act'(z1), written by the same launch as
+    act(z1), and the backward multiplies by it instead of recomputing act'. Each product
+    is dispatched like a plain one. Operands of one 16-bit type use this path; anything
+    else is computed as jnp would.
     """
     from jax_hopper._fallback import dense_like_jnp
     from jax_hopper._mlp import mlp_block

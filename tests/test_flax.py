@@ -88,3 +88,40 @@ def test_mlp_module_is_the_plain_block_with_its_parameters(policy):
     assert abs(float(loss_ours) - float(loss_plain)) <= 1e-2 * abs(float(loss_plain))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_ours), jax.tree_util.tree_leaves(g_plain)):
         assert relative_error(a, b) < 2e-2, jax.tree_util.keystr(path)
+
+
+class TwoDense(nn.Module):
+    """jax_hopper.nn.MLP's parameters and computation (no activation) in plain flax, bf16."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(D_HIDDEN, dtype=jnp.bfloat16)(x)  # Dense_0 (flax names layers in creation order)
+        return nn.Dense(D_IN, dtype=jnp.bfloat16)(h)
+
+
+@pytest.mark.parametrize("layer", ["Dense", "MLP"])
+def test_a_wider_residual_is_not_rounded_to_the_layer_dtype(layer):
+    """An f32 residual stream (values ~100) around a bf16 layer: flax's
+    `residual + Dense(..., dtype=bf16)(x)` promotes to f32. Ours must too, so the result
+    differs from flax's by the bf16 rounding of the layer's own output (O(1) values:
+    2^-8 relative), not by the residual's (100 * 2^-9 = 0.2)."""
+    import jax_hopper.nn as jhnn
+
+    kx, kr, kp = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(kx, (BATCH, D_IN), jnp.float32)
+    residual = 100.0 + jax.random.normal(kr, (BATCH, D_IN), jnp.float32)
+    if layer == "Dense":
+        ours = jhnn.Dense(D_IN, dtype=jnp.bfloat16)
+        plain = nn.Dense(D_IN, dtype=jnp.bfloat16)
+    else:
+        ours = jhnn.MLP(D_HIDDEN, activation=None, dtype=jnp.bfloat16)
+        plain = TwoDense()
+    params = plain.init(kp, x)
+    expected = residual + plain.apply(params, x)
+    layer_out = plain.apply(params, x).astype(jnp.float32)
+    for policy in ("auto", "kernel"):
+        with jax_hopper.dispatch(policy):
+            got = jax.jit(lambda p: ours.apply(p, x, residual))(params)
+        assert got.dtype == expected.dtype == jnp.float32
+        bound = 4 * 2.0**-8 * float(jnp.max(jnp.abs(layer_out)))
+        assert float(jnp.max(jnp.abs(got - expected))) <= bound, policy
