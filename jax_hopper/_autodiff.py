@@ -36,6 +36,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import ad
 
 from jax_hopper import _dispatch
@@ -48,7 +49,7 @@ from jax_hopper._fallback import (
     gemm_reference,
 )
 from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p, fused_dense, fused_dense_with_derivative
-from jax_hopper._primitive import gemm, gemm_p
+from jax_hopper._primitive import PRODUCT_NAME, gemm, gemm_p
 from jax_hopper._sharding import is_explicit, merge_drops_explicit_sharding, padded_spec
 
 
@@ -255,6 +256,8 @@ def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
         save, kernel = saved_derivative_choice(x, w, optional_bias, activation)
         if save:
             y, derivative = activation_and_derivative(x, w, optional_bias, activation, kernel)
+            # Named, so a remat policy can keep what the backward pass needs (ops.PRODUCT_NAME).
+            derivative = checkpoint_name(derivative, PRODUCT_NAME)
             return y, derivative * _z_tangent(x, w, dx, dw, dbias, has_bias)
     if not _kernel_chosen(x, w, False, False):
         # The table sends the plain product to XLA (the fused kernel was picked for its
@@ -282,7 +285,7 @@ def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
         y = fused_dense(x, w, optional_bias, residual if has_residual else None)
         dy = dz
     else:
-        z = fused_dense(x, w, optional_bias, None)
+        z = checkpoint_name(fused_dense(x, w, optional_bias, None), PRODUCT_NAME)
         y, dy = jax.jvp(ACTIVATION_FNS[activation], (z.astype(f32),), (dz.astype(f32),))
         if has_residual:
             y = y + residual.astype(f32)

@@ -47,6 +47,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_hopper import _dispatch
 from jax_hopper._autodiff import (
@@ -58,7 +59,7 @@ from jax_hopper._autodiff import (
 )
 from jax_hopper._fallback import ACTIVATION_FNS, row_sum
 from jax_hopper._fused import fused_activation_grad
-from jax_hopper._primitive import _varying_axes
+from jax_hopper._primitive import PRODUCT_NAME, _varying_axes
 from jax_hopper._sharding import is_explicit
 
 
@@ -108,6 +109,8 @@ def _forward(x, w1, b1, w2, b2, residual, activation):
     else:
         kept = _dense(x, w1, b1)
         h = ACTIVATION_FNS[activation](kept)
+    # Named, so a remat policy can keep what the backward pass needs (ops.PRODUCT_NAME).
+    h, kept = checkpoint_name(h, PRODUCT_NAME), checkpoint_name(kept, PRODUCT_NAME)
     y = _dense(h, w2, b2, residual=residual)
     # Which optional operands there were, as empty arrays (residuals must be arrays);
     # inside shard_map, empty slices of them, which keep the manual axes the operand

@@ -63,6 +63,12 @@ def stages_of(kernel: str) -> int:
 TMA_ROW_MULTIPLE = 8
 
 gemm_p = Primitive("jax_hopper_gemm")
+# The name our kernels' products carry for jax.checkpoint policies (the plain products,
+# the fused dense layers' outputs and the values their derivatives keep): jax's dot
+# policies (dots_saveable, ...) match lax.dot_general only, so a remat that should save
+# products names them: save_only_these_names(PRODUCT_NAME), or save_from_both_policies(
+# dots_saveable, save_only_these_names(PRODUCT_NAME)) for jnp's dots and ours alike.
+PRODUCT_NAME = "jax_hopper_product"
 
 
 def _mnk(a_shape, b_shape, transpose_a, transpose_b):

@@ -31,15 +31,10 @@ from jax.ad_checkpoint import checkpoint_name
 # _autodiff and _batching are imported for their side effect: they register the rules.
 from jax_hopper import _autodiff, _batching, _dispatch, _ffi  # noqa: F401
 from jax_hopper._dimension_numbers import plan_dot_general
-from jax_hopper._primitive import F16_ACCUMULATION_KERNEL, KERNEL_DTYPES, XLA_KERNEL, gemm
+from jax_hopper._primitive import F16_ACCUMULATION_KERNEL, KERNEL_DTYPES, PRODUCT_NAME, XLA_KERNEL, gemm
 from jax_hopper._sharding import is_explicit, padded_spec
 
 F32 = jnp.dtype(jnp.float32)
-# The name our kernel's products carry for jax.checkpoint policies: jax's dot policies
-# (dots_saveable, ...) match lax.dot_general only, so a remat that should save products
-# names them: save_only_these_names(PRODUCT_NAME), or save_from_both_policies(
-# dots_saveable, save_only_these_names(PRODUCT_NAME)) for jnp's dots and ours alike.
-PRODUCT_NAME = "jax_hopper_product"
 
 
 def _struct(x):
@@ -418,7 +413,7 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     # sharded one (a sequence dim) keeps its sharding.
     x2 = x.reshape(1, k) if x.ndim == 1 else x
     r2 = None if residual is None else residual.reshape(x2.shape[:-1] + (n,))
-    return fused_dense(x2, w, bias, r2, activation=activation).reshape(out_shape)
+    return checkpoint_name(fused_dense(x2, w, bias, r2, activation=activation).reshape(out_shape), PRODUCT_NAME)
 
 
 def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):

@@ -117,6 +117,29 @@ def test_an_f16_cotangent_spanning_f16s_range_keeps_every_row():
     assert float(jnp.max(err)) <= 2**-9, err
 
 
+@pytest.mark.parametrize("layer", ["dense", "mlp"])
+def test_remat_policies_can_save_the_fused_layers_products_by_name(layer):
+    """dense's and mlp's forward launches (the derivative kind here: tanh-GELU) name what
+    their backward pass keeps, so a names policy saves it instead of launching the
+    forward kernel again; with nothing saveable it is launched twice (the premise)."""
+    x, w = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 24), jnp.bfloat16)
+    b = jnp.ones((24,), jnp.bfloat16)
+    if layer == "dense":
+        f = lambda x, w, b: jax_hopper.dense(x, w, b, activation="gelu_tanh")  # noqa: E731
+    else:
+        f = lambda x, w, b: jax_hopper.mlp(x, w, b, w.T, None, activation="gelu_tanh")  # noqa: E731
+    loss = lambda x, w, b: jnp.sum(f(x, w, b).astype(jnp.float32))  # noqa: E731
+
+    def forward_launches(policy):
+        g = loss if policy is None else jax.checkpoint(loss, policy=policy)
+        return str(jax.make_jaxpr(jax.grad(g, argnums=(0, 1, 2)))(x, w, b)).count("jax_hopper_dense_with_derivative")
+
+    names = jax.checkpoint_policies.save_only_these_names(jax_hopper.PRODUCT_NAME)
+    assert forward_launches(None) == 1
+    assert forward_launches(jax.checkpoint_policies.nothing_saveable) == 2
+    assert forward_launches(names) == 1
+
+
 def test_jvp_and_linearize_match_jnp():
     a_shape, b_shape, dims = LAYOUTS["NT"]
     a, b, _ = _data(jax.random.key(7), (a_shape, b_shape), jnp.float16)
