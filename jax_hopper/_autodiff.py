@@ -74,7 +74,9 @@ def _rounded_cotangent(ct, dtype):
     on an f32 product, or None where it is not scaled): module docstring."""
     if ct.dtype == dtype or dtype != jnp.float16:
         return ct.astype(dtype), None
-    _, e = jnp.frexp(jnp.max(jnp.abs(ct)))  # max < 2^e; inf and nan give e = 0 and propagate as in jnp
+    # The largest finite magnitude (< 2^e): an inf or nan entry stays one when scaled and
+    # propagates as in jnp, without pulling the scale of the finite entries past 65504.
+    _, e = jnp.frexp(jnp.max(jnp.where(jnp.isfinite(ct), jnp.abs(ct), 0)))
     s = jnp.clip(F16_SCALED_EXPONENT - e, -MAX_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
     return (ct * _pow2(s)).astype(dtype), _pow2(-s)
 

@@ -95,6 +95,29 @@ def test_f32_cotangents_of_f16_products_keep_their_range(case):
         assert err <= 2**-9, f"d{name}: {err:.3e}"
 
 
+def test_a_nan_or_inf_in_an_f16_cotangent_stays_where_jnp_has_it():
+    """A nan in one row and an inf in another of an f32 cotangent (values ~1e3, which one
+    scale of 2^15 for the non-finite max would push past 65504): the other rows of dx
+    stay finite and equal to jnp's within an f16 rounding, the two rows are non-finite
+    as jnp's are."""
+    kx, ky, kw = jax.random.split(jax.random.key(6), 3)
+    x = jax.random.normal(kx, (8, 16), jnp.float32).astype(jnp.float16)
+    y = (2.0**-6 * jax.random.normal(ky, (16, 32), jnp.float32)).astype(jnp.float16)
+    w = 1e3 * jax.random.normal(kw, (8, 32), jnp.float32)
+    w = w.at[1, 3].set(jnp.nan).at[5, 7].set(jnp.inf)
+
+    def dx(matmul):
+        loss = lambda a, b: jnp.sum(matmul(a, b, preferred_element_type=jnp.float32) * w)  # noqa: E731
+        return jax.jit(jax.grad(loss))(x, y).astype(jnp.float32)
+
+    ours, theirs = dx(jax_hopper.matmul), dx(jnp.matmul)
+    finite = jnp.all(jnp.isfinite(theirs), axis=1)
+    assert [bool(f) for f in finite] == [i not in (1, 5) for i in range(8)]  # the premise
+    assert bool(jnp.all(jnp.isfinite(ours) == jnp.isfinite(theirs)))
+    err = jnp.max(jnp.abs(ours - theirs)[finite]) / jnp.max(jnp.abs(theirs)[finite])
+    assert float(err) <= 2**-9, float(err)
+
+
 def test_an_f16_cotangent_spanning_f16s_range_keeps_every_row():
     """One cotangent with rows past 65504 (2^17) and rows of 2^-10, 2^27 apart, whose dA
     rows (2^12 and 2^-15 .. 2^-12 with y ~ 2^-6) are all normal f16 values: one power of

@@ -121,8 +121,12 @@ ffi::Error decode(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-// XLA's scratch memory for the call (freed when the handler returns, stream-ordered, so
-// it lives until the kernel enqueued here has run). XLA refuses alignments above 16
+// XLA's scratch memory for the call. It returns to XLA's allocator when the handler
+// returns, before the kernel enqueued here has run: safe as long as its next user is
+// ordered behind this stream's work, which holds for the compute stream XLA runs custom
+// calls on (a call placed on another stream would need the memory as a result buffer
+// of the custom call instead). A failed request is an error, not a fallback: the handler
+// reports it (an out-of-memory edge; it has not been seen). XLA refuses alignments above 16
 // bytes ("Unsupported alignment", ffi_api.cc: kMaxAlignment) -- with 256 here every
 // request failed and stream-K never split (measured on the H200); 16 is what the
 // workspace's float4s need.
