@@ -133,8 +133,6 @@ def _reference(a, b, *, transpose_a, transpose_b, out_dtype):
 
 
 def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
-    if kernel == XLA_KERNEL:
-        return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
     reason = _ffi.kernel_unavailable_reason()
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
@@ -169,10 +167,25 @@ def eager_impl(primitive):
 gemm_p.def_impl(eager_impl(gemm_p))
 gemm_p.def_abstract_eval(_abstract_eval)
 # Both lowerings are partitioned as jnp.dot's would be (see _sharding.py); unsharded
-# products lower to the local product. The second argument is XLA's dot, for partly
+# products lower to the local product. XLA's dot (_default_impl) also serves partly
 # manual shard_map bodies.
-mlir.register_lowering(gemm_p, sharded_lowering(_default_impl, _default_impl))
-mlir.register_lowering(gemm_p, sharded_lowering(_cuda_impl, _default_impl), platform="cuda")
+
+
+def _lowering(local_impl):
+    """gemm_p's lowering: local_impl partitioned by our rules (_sharding.py), or for
+    kernel XLA_KERNEL XLA's own dot, which XLA partitions itself: that product is jnp's
+    in the compiled program, only its derivative rule is ours."""
+    ours = sharded_lowering(local_impl, _default_impl)
+    xla = mlir.lower_fun(_default_impl, multiple_results=False)
+
+    def rule(ctx, a, b, **params):
+        return (xla if params["kernel"] == XLA_KERNEL else ours)(ctx, a, b, **params)
+
+    return rule
+
+
+mlir.register_lowering(gemm_p, _lowering(_default_impl))
+mlir.register_lowering(gemm_p, _lowering(_cuda_impl), platform="cuda")
 
 
 def require_devices_at_lowering(primitive) -> None:

@@ -84,6 +84,31 @@ def test_partitioned_like_jnp_dot(pattern):
         assert 'custom_call_target="jax_hopper_gemm"' in text and "__cublas" not in text
 
 
+@pytest.mark.parametrize("pattern", ["data_parallel_M", "column_parallel_N", "row_parallel_K",
+                                     "sequence_sharded_x_at_W"])
+def test_the_xla_kind_is_jnp_dots_program(pattern):
+    """The primitive with kernel "xla" (an f32 result of f16 operands left to XLA, bound
+    only for its derivative rule) compiles to XLA's own dot, partitioned by XLA itself:
+    no custom call (neither ours nor custom_partitioning's), the same collectives and
+    values as jnp's dot."""
+    from jax_hopper._primitive import XLA_KERNEL, gemm
+
+    a_shape, b_shape, dims, sa, sb = PATTERNS[pattern]
+    mm = mesh()
+    ka, kb = jax.random.split(jax.random.key(len(pattern)))
+    a = jax.device_put(_random(ka, a_shape), NamedSharding(mm, sa))
+    b = jax.device_put(_random(kb, b_shape), NamedSharding(mm, sb))
+    ours_fn = jax.jit(lambda x, y: gemm(x, y, out_dtype=jnp.float32, kernel=XLA_KERNEL))
+    ref_fn = jax.jit(lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=jnp.float32))
+    ours, ref = ours_fn(a, b), ref_fn(a, b)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+    text, ref_text = ours_fn.lower(a, b).compile().as_text(), ref_fn.lower(a, b).compile().as_text()
+    assert "SPMDPartitioning" not in ours_fn.lower(a, b).as_text()  # not custom_partitioning's
+    assert "jax_hopper_gemm" not in text
+    assert text.count("custom-call(") == ref_text.count("custom-call(")  # cuBLAS's (or oneDNN's) as jnp's
+    assert _collectives(text) == _collectives(ref_text)
+
+
 @pytest.mark.parametrize("activation", [None, "gelu_tanh"])
 def test_dense_with_sequence_sharded_activations_is_not_gathered(activation):
     """The fused dense keeps x's leading dims too: x [B, S@x, K] against replicated
