@@ -21,8 +21,10 @@ loss-scaled cotangent would round to inf and a mean over many outputs (1e-9 per 
 to zero. So an f16 one is first scaled by a power of two that puts its largest magnitude
 in [2^14, 2^15); the product is taken in f32, the scale undone exactly, and the gradient
 rounded once to f16. Each entry is rounded to 11 bits of itself, or to 2^-39 of the
-largest where it is that small (f16's subnormals); jax's rule keeps 24 bits. That is
-an f16 product's own error: every gradient is an f16 value rounded to 11 bits anyway.
+largest where it is that small (f16's subnormals; below about 2^-39 of the largest it
+is zero); jax's rule keeps 24 bits (TF32, on the GPU, 11). That is an f16 product's own
+error: every gradient is an f16 value rounded to 11 bits anyway. Differentiated again
+(hessians, gradient penalties) that computation has the derivatives of jax's rule.
 With A [..., M, K] (leading dims, a rank-2 B) dA is the same product with leading dims;
 dB contracts them with M: on XLA's path one dot_general over all of them (partitioned
 like jnp's: a sharded sequence dim gives partial sums and an all-reduce), on our kernel
@@ -37,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 from jax.interpreters import ad
 
 from jax_hopper import _dispatch
@@ -53,38 +56,67 @@ from jax_hopper._primitive import PRODUCT_NAME, gemm, gemm_p
 from jax_hopper._sharding import is_explicit, merge_drops_explicit_sharding, padded_spec
 
 
-# f32's exponent field: 2^e for an integer e is the bit pattern (e + bias) << mantissa bits.
+# f32's exponent field: 2^e for an integer e is the bit pattern (e + bias) << mantissa bits
+# (a normal f32: -126 <= e <= 127).
 F32_EXPONENT_BIAS = 127
 F32_MANTISSA_BITS = 23
 # A scaled f16 cotangent's largest magnitude lies in [2^14, 2^15): below 65504 after
 # rounding, leaving f16's 2^-24..2^15 range to its smaller values.
 F16_SCALED_EXPONENT = 15
-# Scales stay within 2^+-100 (normal f32 both ways); a cotangent below 2^-85 is not
-# scaled all the way up (it still rounds to f16 without overflow).
-MAX_SCALE_EXPONENT = 100
+# The scale 2^s: s >= 15 - 128 (finite f32 values are below 2^128) needs no bound; s is
+# capped at 126 so that 2^-s stays a normal f32 (a cotangent below 2^-111 is then not
+# scaled all the way up, and still rounds to f16 without overflow).
+MAX_SCALE_EXPONENT = 126
 
 
 def _pow2(e):
-    """2.0^e in f32, exactly, for an integer e within +-MAX_SCALE_EXPONENT."""
+    """2.0^e in f32, exactly, for an integer e with -126 <= e <= 127."""
     return lax.bitcast_convert_type((e + F32_EXPONENT_BIAS).astype(jnp.int32) << F32_MANTISSA_BITS, jnp.float32)
 
 
-def _rounded_cotangent(ct, dtype):
-    """(the cotangent in the operands' 16-bit type, the factor 2^-s that undoes its scale
-    on an f32 product, or None where it is not scaled): module docstring."""
+def _scaled_to_f16(ct):
+    """(ct * 2^s rounded to f16, 2^-s) with its largest finite magnitude scaled into
+    [2^14, 2^15): an inf or nan entry stays one and propagates as in jnp, without pulling
+    the scale of the finite entries past 65504. An empty ct gets s = 15."""
+    _, e = jnp.frexp(jnp.max(jnp.where(jnp.isfinite(ct), jnp.abs(ct), 0), initial=0.0))  # max < 2^e
+    s = jnp.minimum(F16_SCALED_EXPONENT - e, MAX_SCALE_EXPONENT)
+    return (ct * _pow2(s)).astype(jnp.float16), _pow2(-s)
+
+
+def _gradient(ct, other, product, dtype):
+    """A gradient of the primitive: product(c, other, out_dtype), the backward product
+    with the cotangent c in its place, for the cotangent as the products use it (module
+    docstring): in the operands' type `dtype`, or an f32 one of f16 operands scaled,
+    rounded and its product unscaled. The latter's derivatives (second-order autodiff)
+    are those of jax's rule, the f32 product: the scale chosen for ct must not be applied
+    to a tangent or cotangent of another magnitude."""
     if ct.dtype == dtype or dtype != jnp.float16:
-        return ct.astype(dtype), None
-    # The largest finite magnitude (< 2^e): an inf or nan entry stays one when scaled and
-    # propagates as in jnp, without pulling the scale of the finite entries past 65504.
-    _, e = jnp.frexp(jnp.max(jnp.where(jnp.isfinite(ct), jnp.abs(ct), 0)))
-    s = jnp.clip(F16_SCALED_EXPONENT - e, -MAX_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
-    return (ct * _pow2(s)).astype(dtype), _pow2(-s)
+        return product(ct.astype(dtype), other, dtype)
 
+    def rounded(c, o):
+        c16, undo = _scaled_to_f16(c)
+        return (product(c16, o, jnp.float32) * undo).astype(dtype)
 
-def _unscaled(product, undo, dtype):
-    """The gradient from the product of a rounded cotangent (its f32 product, scale undone,
-    rounded once to the operands' type where it was scaled)."""
-    return product if undo is None else (product * undo).astype(dtype)
+    def exact(c, o):  # jax's rule: the mixed f32 x f16 product (XLA's dot)
+        return product(c, o, jnp.float32).astype(dtype)
+
+    def jvp(primals, tangents):
+        moving = [i for i, t in enumerate(tangents) if not isinstance(t, SymbolicZero)]
+        y = rounded(*primals)
+        if not moving:
+            return y, jnp.zeros_like(y)
+
+        def exact_of_moving(*moved):
+            args = list(primals)
+            for i, v in zip(moving, moved):
+                args[i] = v
+            return exact(*args)
+
+        return y, jax.jvp(exact_of_moving, [primals[i] for i in moving], [tangents[i] for i in moving])[1]
+
+    f = jax.custom_jvp(rounded)
+    f.defjvp(jvp, symbolic_zeros=True)
+    return f(ct, other)
 
 
 def _problem(a, b, transpose_a, transpose_b, out_dtype=None):
@@ -127,7 +159,7 @@ def _in_type_of(y, like):
 def _product(a, b, *, transpose_a=False, transpose_b=False, like=None, out_dtype=None):
     out_dtype = a.dtype if out_dtype is None else out_dtype
     problem = _problem(a, b, transpose_a, transpose_b, out_dtype)
-    if _dispatch.choose(problem)[0] == "kernel":
+    if a.dtype == b.dtype and _dispatch.choose(problem)[0] == "kernel":  # (mixed: jax's rule, _gradient)
         kernel = _dispatch.kernel_for(problem)
         return _in_type_of(gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype,
                                 kernel=kernel), like)
@@ -137,13 +169,13 @@ def _product(a, b, *, transpose_a=False, transpose_b=False, like=None, out_dtype
 
 def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     del out_dtype, kernel, stages
-    ct, undo = _rounded_cotangent(ct, b.dtype)
-    out_dtype = ct.dtype if undo is None else jnp.float32
-    if transpose_a:
-        product = _product(b, ct, transpose_a=transpose_b, transpose_b=True, like=a, out_dtype=out_dtype)
-    else:
-        product = _product(ct, b, transpose_a=False, transpose_b=not transpose_b, like=a, out_dtype=out_dtype)
-    return _unscaled(product, undo, b.dtype)
+
+    def product(c, b, out_dtype):
+        if transpose_a:
+            return _product(b, c, transpose_a=transpose_b, transpose_b=True, like=a, out_dtype=out_dtype)
+        return _product(c, b, transpose_a=False, transpose_b=not transpose_b, like=a, out_dtype=out_dtype)
+
+    return _gradient(ct, b, product, b.dtype)
 
 
 def _inner_dims_explicitly_sharded(x) -> bool:
@@ -163,7 +195,7 @@ def _contracting_leading_dims(x, y, *, like, out_dtype=None):
     foldable = r > 0 and not (_inner_dims_explicitly_sharded(x) or _inner_dims_explicitly_sharded(y))
     out_dtype = x.dtype if out_dtype is None else out_dtype
     problem = _dispatch.problem_of((r, p), (r, q), x.dtype, out_dtype, True, False)
-    if foldable and _dispatch.choose(problem)[0] == "kernel":
+    if foldable and x.dtype == y.dtype and _dispatch.choose(problem)[0] == "kernel":
         return _product(x.reshape(r, p), y.reshape(r, q), transpose_a=True, like=like, out_dtype=out_dtype)
     preferred = None if out_dtype == x.dtype else out_dtype
     return lax.dot_general(x, y, ((rows, rows), ((), ())), preferred_element_type=preferred,
@@ -172,16 +204,16 @@ def _contracting_leading_dims(x, y, *, like, out_dtype=None):
 
 def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     del out_dtype, kernel, stages
-    ct, undo = _rounded_cotangent(ct, a.dtype)
-    out_dtype = ct.dtype if undo is None else jnp.float32
-    if a.ndim > _aval(b).ndim:  # A [..., M, K] (not transposed): contract its leading dims and M
-        x, y = (ct, a) if transpose_b else (a, ct)
-        product = _contracting_leading_dims(x, y, like=b, out_dtype=out_dtype)
-    elif transpose_b:
-        product = _product(ct, a, transpose_a=True, transpose_b=transpose_a, like=b, out_dtype=out_dtype)
-    else:
-        product = _product(a, ct, transpose_a=not transpose_a, transpose_b=False, like=b, out_dtype=out_dtype)
-    return _unscaled(product, undo, a.dtype)
+
+    def product(c, a, out_dtype):
+        if a.ndim > _aval(b).ndim:  # A [..., M, K] (not transposed): contract its leading dims and M
+            x, y = (c, a) if transpose_b else (a, c)
+            return _contracting_leading_dims(x, y, like=b, out_dtype=out_dtype)
+        if transpose_b:
+            return _product(c, a, transpose_a=True, transpose_b=transpose_a, like=b, out_dtype=out_dtype)
+        return _product(a, c, transpose_a=not transpose_a, transpose_b=False, like=b, out_dtype=out_dtype)
+
+    return _gradient(ct, a, product, a.dtype)
 
 
 ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)

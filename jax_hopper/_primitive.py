@@ -42,9 +42,10 @@ KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3,
            "persistent_streamk": 6, "persistent_f16acc": 7, "small_m": 8, "persistent_pingpong": 9,
            "persistent_immediate": 10, "persistent_static": 11}
 DEFAULT_KERNEL = "persistent"
-# Not one of ours: the primitive lowered to XLA's dot (as off CUDA). For a product the
-# dispatcher leaves to XLA whose derivative should still follow _autodiff's rules (an f32
-# result of f16 operands: the cotangent rounded, the backward products at the 16-bit rate).
+# Not one of ours: the primitive lowered to XLA's dot (as off CUDA). The tangent of a
+# product the dispatcher leaves to XLA whose derivative should still follow _autodiff's
+# rules (ops: an f32 result of f16 operands: the cotangent rounded, the backward products
+# at the 16-bit rate).
 XLA_KERNEL = "xla"
 F16_ACCUMULATION_KERNEL = "persistent_f16acc"
 SMALL_M_KERNEL = "small_m"

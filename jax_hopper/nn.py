@@ -9,8 +9,8 @@ shapes and initialisers as ``flax.linen.Dense`` ("kernel" [in, features], "bias"
 ``jax_hopper.mlp``; its parameters are those of that block written with two
 ``flax.linen.Dense`` layers ("Dense_0", "Dense_1").
 
-A residual is added in the kernel's epilogue where it converts to the layer's dtype
-exactly; a wider one (an f32 residual stream around a bf16 layer) is added after the
+A residual is added in the kernel's epilogue where jnp's promotion with the layer's
+dtype gives that dtype; a wider one (an f32 residual stream around a bf16 layer) is added after the
 layer, so the result has its type, as ``residual + flax.linen.Dense(...)(x)`` would.
 """
 
@@ -36,7 +36,7 @@ def _fusable(residual, dtype):
     """(the residual to add in the kernel's epilogue, the one to add after it) for a layer
     computing in `dtype`. `residual + layer(x)` in flax promotes: a residual wider than
     the layer (an f32 stream around a bf16 layer) gives a wider result, so it is added
-    after, as jnp would; one that converts to `dtype` exactly is fused."""
+    after, as jnp would; one whose promotion with `dtype` is `dtype` is fused."""
     if residual is None:
         return None, None
     if jnp.promote_types(jnp.result_type(residual), dtype) == dtype:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 
 # _autodiff and _batching are imported for their side effect: they register the rules.
 from jax_hopper import _autodiff, _batching, _dispatch, _ffi  # noqa: F401
@@ -220,33 +221,58 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     path = None if plan is None else _path(plan, lhs, out, accumulation)
     if path is None:
         return fn(lhs, rhs)
-    kernel = path[2]
     if path[0] == "xla":
-        if not _rounds_f32_cotangent(lhs, out, plan, precision):
-            return fn(lhs, rhs)
-        kernel = XLA_KERNEL
+        if _rounds_f32_cotangent(lhs, rhs, out, plan, precision):
+            return _xla_product_with_our_derivative(fn, lhs, rhs, plan, out.dtype)
+        return fn(lhs, rhs)
+    return checkpoint_name(_bind(lhs, rhs, plan, out.dtype, path[2]), PRODUCT_NAME)
+
+
+def _bind(lhs, rhs, plan, out_dtype, kernel):
+    """The primitive on the planned operands (transposed and reshaped as the plan says)."""
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     a = lhs if plan.lhs_perm is None else jnp.transpose(lhs, plan.lhs_perm)
     b = rhs if plan.rhs_perm is None else jnp.transpose(rhs, plan.rhs_perm)
     c = gemm(a.reshape(plan.lhs_shape), b.reshape(plan.rhs_shape), transpose_a=plan.transpose_a,
-             transpose_b=plan.transpose_b, out_dtype=out.dtype, kernel=kernel)
-    return checkpoint_name(c.reshape(plan.out_shape), PRODUCT_NAME)
+             transpose_b=plan.transpose_b, out_dtype=out_dtype, kernel=kernel)
+    return c.reshape(plan.out_shape)
 
 
-def _rounds_f32_cotangent(lhs, out, plan, precision) -> bool:
-    """Whether a product the dispatcher leaves to XLA still binds our primitive (lowered to
-    XLA's dot) for its derivative: an f32 result of f16 operands, whose f32 cotangent
-    jax's rule multiplies in a mixed f32 x f16 dot, which on the GPU runs as TF32 (the
-    cotangent rounded to 11 bits, at TF32's rate). Ours rounds it to f16 after a power-of-
-    two scale (_autodiff: the same 11 bits, f32's range) and runs 16-bit products: an LM
-    head's training step 1.76x faster (BENCHMARKS.md, session of 2026-12-02 17:25). Only
-    under "auto" on a GPU with our kernel (off the GPU jax's f32 dot keeps 24 bits), at
-    the default precision (an explicit one, or jax_default_matmul_precision, asks for
-    jax's f32 products), and where the operands need no transposing copy."""
-    return (out.dtype == F32 and lhs.dtype == F16 and plan.lhs_perm is None and plan.rhs_perm is None
-            and _default_precision(precision) and jax.config.jax_default_matmul_precision is None
-            and _dispatch.current_policy() == "auto" and _ffi.kernel_unavailable_reason() is None
-            and _ffi.hopper_gpus_visible())
+def _rounds_f32_cotangent(lhs, rhs, out, plan, precision) -> bool:
+    """Whether a product the dispatcher leaves to XLA still takes our derivative rule: an
+    f32 result of f16 operands, whose f32 cotangent jax's rule multiplies in a mixed
+    f32 x f16 dot, which on the GPU runs as TF32 (the cotangent rounded to 11 bits, at
+    TF32's rate). Ours rounds it to f16 after a power-of-two scale (_autodiff: the same
+    11 bits, f32's range) and runs 16-bit products: an LM head's training step 1.74x
+    faster (BENCHMARKS.md, session of 2026-12-02 17:25). Only under "auto" on a GPU with
+    our kernel (off the GPU jax's f32 dot keeps 24 bits), at the default precision (an
+    explicit one, or jax_default_matmul_precision, asks for jax's f32 products), and
+    where the operands are the primitive's as they are (no transposing copy, no fold of
+    several dims into one, which could change how a sharded product is partitioned)."""
+    as_is = (plan.lhs_perm is None and plan.rhs_perm is None and tuple(plan.lhs_shape) == np.shape(lhs)
+             and tuple(plan.rhs_shape) == np.shape(rhs))
+    return (out.dtype == F32 and lhs.dtype == F16 and as_is and _default_precision(precision)
+            and jax.config.jax_default_matmul_precision is None and _dispatch.current_policy() == "auto"
+            and _ffi.kernel_unavailable_reason() is None and _ffi.hopper_gpus_visible())
+
+
+def _xla_product_with_our_derivative(fn, lhs, rhs, plan, out_dtype):
+    """fn(lhs, rhs), jnp's own product (XLA's dot: remat's dot policies, sharding and vmap
+    see jnp's), whose tangent is our primitive with kernel XLA_KERNEL (XLA's dot as well),
+    so that reverse mode transposes it with our rule (_autodiff)."""
+    def ours(x, y):
+        return _bind(x, y, plan, out_dtype, XLA_KERNEL)
+
+    def jvp(primals, tangents):
+        (x, y), (dx, dy) = primals, tangents
+        terms = [ours(t, y) if i == 0 else ours(x, t) for i, t in enumerate((dx, dy))
+                 if not isinstance(t, SymbolicZero)]
+        out = fn(x, y)
+        return out, functools.reduce(lambda p, q: p + q, terms) if terms else jnp.zeros_like(out)
+
+    product = jax.custom_jvp(fn)
+    product.defjvp(jvp, symbolic_zeros=True)
+    return product(jnp.asarray(lhs), jnp.asarray(rhs))
 
 
 def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,

@@ -109,9 +109,9 @@ def test_grad_runs_every_product_on_our_kernel_without_transposes(layout):
 
 @pytest.mark.parametrize("dtype", [F16, jnp.bfloat16], ids=["f16", "bf16"])
 def test_grad_of_batched_and_f32_output_products(dtype):
-    # The f32 cotangent is rounded to the operands' type (an f16 one after a power-of-two
-    # scale per slice, undone on the f32 product) and both backward products stay on
-    # our kernel: no mixed f32 x 16-bit dot.
+    # The f32 cotangent is rounded to the operands' type (an f16 one after one power-of-two
+    # scale, undone on the f32 product) and both backward products stay on our kernel:
+    # no mixed f32 x 16-bit dot.
     def loss(a, b):
         c = jax_hopper.matmul(a, b, preferred_element_type=jnp.float32)
         return jnp.sum(c * c)
