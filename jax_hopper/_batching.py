@@ -3,7 +3,8 @@ fused dense primitives.
 
 Where the memory layout allows, a vmapped operand against an unbatched one joins A's
 leading dims (A stored [..., M, K] against a rank-2 B: folded into M on each device) or
-is folded into N (B stored [N, K]): one plain GEMM, no copy. Otherwise the vmapped axis
+is folded into N (B stored [N, K]: one plain GEMM, no copy; B stored [K, N]: after one
+copy of B, where broadcasting A would copy A once per example). Otherwise the vmapped axis
 becomes the primitive's leading batch dimension (an unbatched operand is broadcast),
 merging with a batch dimension the primitive already had. (One exception: per-example
 weights against an x whose inner leading dim is sharded on explicit mesh axes go to
@@ -61,6 +62,28 @@ def _batch_rule(args, dims, **params):
         v, n, k = b.shape
         out = _bind(a, b.reshape(v * n, k), params)
         return out.reshape(out.shape[:-1] + (v, n)), out.ndim - 1
+    if da is NOT_MAPPED and b.ndim == 3:  # [..., M, K] against [v, K, N]: v folded into N too
+        b = jnp.moveaxis(b, db, 1)  # [K, v, N]: a copy of B (broadcasting A instead would copy A v times)
+        if not merge_drops_explicit_sharding(jax.typeof(b), 1, 2):
+            k, v, n = b.shape
+            out = _bind(a, b.reshape(k, v * n), params)
+            return out.reshape(out.shape[:-1] + (v, n)), out.ndim - 1
+        db = 1
+    if db is NOT_MAPPED and a.ndim == 4 and b.ndim == 3 and not ta:  # [v, B, M, K] against [B, K, N]
+        a = jnp.moveaxis(a, da, 1)  # [B, v, M, K]: v folded into M (a copy of A, not of B per example)
+        if not merge_drops_explicit_sharding(jax.typeof(a), 1, 2):
+            nb, v, m, k = a.shape
+            out = _bind(a.reshape(nb, v * m, k), b, params)
+            return out.reshape(nb, v, m, out.shape[-1]), 1
+        da = 1
+    if da is NOT_MAPPED and a.ndim == 3 and b.ndim == 4:  # [B, M, K] against [v, B, K, N] (or [v, B, N, K])
+        first = 1 if tb else 2  # v folded into N: [B, v, N, K] or [B, K, v, N]
+        b = jnp.moveaxis(b, db, first)
+        if not merge_drops_explicit_sharding(jax.typeof(b), first, first + 1):
+            v, n = b.shape[first:first + 2]
+            out = _bind(a, b.reshape(b.shape[:first] + (v * n,) + b.shape[first + 2:]), params)
+            return out.reshape(out.shape[:-1] + (v, n)), out.ndim - 1
+        db = first
     size = a.shape[da] if da is not NOT_MAPPED else b.shape[db]
     b_rank = b.ndim - (db is not NOT_MAPPED)  # the primitive's own ranks
     a_rank = a.ndim - (da is not NOT_MAPPED)

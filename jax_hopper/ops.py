@@ -268,7 +268,11 @@ def _xla_product_with_our_derivative(fn, lhs, rhs, plan, out_dtype):
         terms = [ours(t, y) if i == 0 else ours(x, t) for i, t in enumerate((dx, dy))
                  if not isinstance(t, SymbolicZero)]
         out = fn(x, y)
-        return out, functools.reduce(lambda p, q: p + q, terms) if terms else jnp.zeros_like(out)
+        if not terms:
+            return out, jnp.zeros_like(out)
+        # A tangent typed without the primal's explicit mesh axes (a fresh direction) gives
+        # a product typed without them; a custom JVP's tangent must have its primal's type.
+        return out, _autodiff._in_type_of(functools.reduce(lambda p, q: p + q, terms), out)
 
     product = jax.custom_jvp(fn)
     product.defjvp(jvp, symbolic_zeros=True)

@@ -216,3 +216,41 @@ def test_matmul_with_a_scalar_raises_jnp_error():
 
 
 TARGET_CALL = "custom_call @jax_hopper_gemm"
+
+
+VMAP_LAYOUTS = {  # name: (lhs shape, rhs shape, dimension numbers), per example
+    "NN": ((8, 24), (24, 16), (((1,), (0,)), ((), ()))),
+    "NT": ((8, 24), (16, 24), (((1,), (1,)), ((), ()))),
+    "TN": ((24, 8), (24, 16), (((0,), (0,)), ((), ()))),
+    "TT": ((24, 8), (16, 24), (((0,), (1,)), ((), ()))),
+    "leading dims": ((3, 8, 24), (24, 16), (((2,), (0,)), ((), ()))),
+    "batched": ((3, 8, 24), (3, 24, 16), (((2,), (1,)), ((0,), (0,)))),
+    "batched NT": ((3, 8, 24), (3, 16, 24), (((2,), (2,)), ((0,), (0,)))),
+    "batched TN": ((3, 24, 8), (3, 24, 16), (((1,), (1,)), ((0,), (0,)))),
+}
+
+
+@pytest.mark.parametrize("layout", VMAP_LAYOUTS)
+def test_vmap_over_either_operand_matches_jnp(layout):
+    """vmap over the lhs, the rhs or both, at axis 0 or 1, 16-bit and f32 results: the
+    batching rule's folds (v into M or N) and broadcasts give jnp's product."""
+    a_shape, b_shape, dims = VMAP_LAYOUTS[layout]
+    v = 5
+    ka, kb = jax.random.split(jax.random.key(len(layout)))
+    for which in ("lhs", "rhs", "both"):
+        for axis in (0, 1):
+            in_axes = (axis if which != "rhs" else None, axis if which != "lhs" else None)
+            a_full = a_shape[:axis] + (v,) + a_shape[axis:] if in_axes[0] is not None else a_shape
+            b_full = b_shape[:axis] + (v,) + b_shape[axis:] if in_axes[1] is not None else b_shape
+            a = jax.random.normal(ka, a_full, jnp.float32).astype(jnp.float16)
+            b = jax.random.normal(kb, b_full, jnp.float32).astype(jnp.float16)
+            for out in (None, jnp.float32):
+                ours = jax.jit(jax.vmap(lambda x, y: jax_hopper.dot_general(x, y, dims, preferred_element_type=out),
+                                        in_axes))(a, b)
+                ref = jax.jit(jax.vmap(lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=out),
+                                       in_axes))(a, b)
+                assert ours.shape == ref.shape and ours.dtype == ref.dtype, (which, axis, out)
+                # Same f32 sums, one rounding each (16-bit results): within two roundings.
+                err = float(jnp.max(jnp.abs(ours.astype(jnp.float32) - ref.astype(jnp.float32))) /
+                            jnp.max(jnp.abs(ref.astype(jnp.float32))))
+                assert err <= 2**-9, (which, axis, out, err)

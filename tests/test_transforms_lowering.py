@@ -88,6 +88,31 @@ def test_vmap_is_one_launch_not_a_loop(in_axes):
     assert "stablehlo.while" not in text
 
 
+@pytest.mark.parametrize("case", ["weights [v, K, N] against x [M, K]", "weights against x [L, M, K]",
+                                  "batched x [v, B, M, K]", "batched weights [v, B, K, N]",
+                                  "batched weights [v, B, N, K]"])
+def test_vmap_against_a_shared_operand_never_copies_it_per_example(case):
+    """jacfwd / vmap over one operand: the shared one is not broadcast to the vmapped
+    size (a per-example copy of x for per-example weights cost 64x jnp's memory under
+    jacfwd); the vmapped one is folded into M or N instead, one launch."""
+    v = 64
+    nn, lead, batched, batched_nt = ((((1,), (0,)), ((), ())), (((2,), (0,)), ((), ())),
+                                     (((2,), (1,)), ((0,), (0,))), (((2,), (2,)), ((0,), (0,))))
+    x, w, dims, dn = {  # the operands as vmap sees them (v leading on the vmapped one)
+        "weights [v, K, N] against x [M, K]": ((M, K), (v, K, N), (None, 0), nn),
+        "weights against x [L, M, K]": ((B, M, K), (v, K, N), (None, 0), lead),
+        "batched x [v, B, M, K]": ((v, B, M, K), (B, K, N), (0, None), batched),
+        "batched weights [v, B, K, N]": ((B, M, K), (v, B, K, N), (None, 0), batched),
+        "batched weights [v, B, N, K]": ((B, M, K), (v, B, N, K), (None, 0), batched_nt),
+    }[case]
+    f = jax.vmap(lambda a, b: jax_hopper.dot_general(a, b, dn), in_axes=dims)
+    text = cuda_text(f, S(x, F16), S(w, F16))
+    shared = x if dims[0] is None else w
+    assert len(calls(text)) == 1 and "stablehlo.while" not in text
+    broadcast = re.findall(r"stablehlo.broadcast_in_dim .*-> tensor<([0-9x]+)xf16>", text)
+    assert not any(tuple(int(d) for d in b.split("x")) == (v,) + shared for b in broadcast), broadcast
+
+
 def test_nested_vmap_is_one_launch():
     f = jax.vmap(jax.vmap(jax_hopper.matmul))
     text = cuda_text(f, S((2, B, M, K), F16), S((2, B, K, N), F16))
