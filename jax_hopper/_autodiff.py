@@ -101,22 +101,30 @@ def _gradient(ct, other, product, dtype):
         return product(c, o, jnp.float32).astype(dtype)
 
     def jvp(primals, tangents):
-        moving = [i for i, t in enumerate(tangents) if not isinstance(t, SymbolicZero)]
         y = rounded(*primals)
-        if not moving:
-            return y, jnp.zeros_like(y)
-
-        def exact_of_moving(*moved):
-            args = list(primals)
-            for i, v in zip(moving, moved):
-                args[i] = v
-            return exact(*args)
-
-        return y, jax.jvp(exact_of_moving, [primals[i] for i in moving], [tangents[i] for i in moving])[1]
+        return y, _jvp_where_moving(exact, primals, tangents, SymbolicZero, y)[1]
 
     f = jax.custom_jvp(rounded)
     f.defjvp(jvp, symbolic_zeros=True)
     return f(ct, other)
+
+
+def _jvp_where_moving(f, primals, tangents, zero_type, like):
+    """jax.jvp of f differentiated only in the arguments whose tangent is not a symbolic
+    zero (of `zero_type`): instantiating one would add a product of zeros. With none
+    moving: f's value (`like`'s, if given, not recomputed) and a zero tangent."""
+    moving = [i for i, t in enumerate(tangents) if not isinstance(t, zero_type)]
+    if not moving:
+        y = f(*primals) if like is None else like
+        return y, jnp.zeros_like(y)
+
+    def of_moving(*moved):
+        args = list(primals)
+        for i, v in zip(moving, moved):
+            args[i] = v
+        return f(*args)
+
+    return jax.jvp(of_moving, [primals[i] for i in moving], [tangents[i] for i in moving])
 
 
 def _problem(a, b, transpose_a, transpose_b, out_dtype=None):
@@ -297,22 +305,11 @@ def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
         # The table sends the plain product to XLA (the fused kernel was picked for its
         # activation, a saving the derivative cannot use): differentiate jnp's own
         # computation, so a training step runs exactly what the user's jnp would.
-        # Differentiated only in the operands with nonzero tangents (instantiating a zero
-        # tangent would add a product of zeros).
-        moving = [i for i, t in enumerate(tangents) if not isinstance(t, ad.Zero)]
-
-        def like_jnp(*moved):
-            args = list(primals)
-            for i, v in zip(moving, moved):
-                args[i] = v
-            x, w, bias, residual = args
+        def like_jnp(x, w, bias, residual):
             return dense_like_jnp(x, w, bias if has_bias else None, residual if has_residual else None,
                                   activation=activation)
 
-        if not moving:
-            y = like_jnp()
-            return y, jnp.zeros_like(y)
-        return jax.jvp(like_jnp, [primals[i] for i in moving], [tangents[i] for i in moving])
+        return _jvp_where_moving(like_jnp, primals, tangents, ad.Zero, None)
     f32 = jnp.float32
     dz = _z_tangent(x, w, dx, dw, dbias, has_bias)
     if activation is None:
