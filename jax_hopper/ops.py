@@ -225,7 +225,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         if _rounds_f32_cotangent(lhs, rhs, out, plan, precision):
             return _xla_product_with_our_derivative(fn, lhs, rhs, plan, out.dtype)
         return fn(lhs, rhs)
-    return checkpoint_name(_bind(lhs, rhs, plan, out.dtype, path[2]), PRODUCT_NAME)
+    ours = functools.partial(_bind, plan=plan, out_dtype=out.dtype, kernel=path[2])
+    return _bilinear(ours, ours, lhs, rhs, name=PRODUCT_NAME)
 
 
 def _bind(lhs, rhs, plan, out_dtype, kernel):
@@ -260,23 +261,31 @@ def _xla_product_with_our_derivative(fn, lhs, rhs, plan, out_dtype):
     """fn(lhs, rhs), jnp's own product (XLA's dot: remat's dot policies, sharding and vmap
     see jnp's), whose tangent is our primitive with kernel XLA_KERNEL (XLA's dot as well),
     so that reverse mode transposes it with our rule (_autodiff)."""
-    def ours(x, y):
-        return _bind(x, y, plan, out_dtype, XLA_KERNEL)
+    return _bilinear(fn, functools.partial(_bind, plan=plan, out_dtype=out_dtype, kernel=XLA_KERNEL), lhs, rhs)
 
+
+def _bilinear(product, tangent_product, lhs, rhs, *, name=None):
+    """product(lhs, rhs) as a custom_jvp whose tangent is tangent_product(dlhs, rhs) +
+    tangent_product(lhs, drhs) (both bilinear). With `name`, the value is named (a remat
+    policy's handle) only in that JVP, i.e. where it is differentiated: jax has no
+    transpose rule for a name, and the undifferentiated product must stay transposable
+    (jax.linear_transpose, lax.custom_linear_solve's transposed solve)."""
     def jvp(primals, tangents):
         (x, y), (dx, dy) = primals, tangents
-        terms = [ours(t, y) if i == 0 else ours(x, t) for i, t in enumerate((dx, dy))
+        terms = [tangent_product(t, y) if i == 0 else tangent_product(x, t) for i, t in enumerate((dx, dy))
                  if not isinstance(t, SymbolicZero)]
-        out = fn(x, y)
+        out = product(x, y)
+        if name is not None:
+            out = checkpoint_name(out, name)
         if not terms:
             return out, jnp.zeros_like(out)
         # A tangent typed without the primal's explicit mesh axes (a fresh direction) gives
         # a product typed without them; a custom JVP's tangent must have its primal's type.
         return out, _autodiff._in_type_of(functools.reduce(lambda p, q: p + q, terms), out)
 
-    product = jax.custom_jvp(fn)
-    product.defjvp(jvp, symbolic_zeros=True)
-    return product(jnp.asarray(lhs), jnp.asarray(rhs))
+    differentiated = jax.custom_jvp(product)
+    differentiated.defjvp(jvp, symbolic_zeros=True)
+    return differentiated(jnp.asarray(lhs), jnp.asarray(rhs))
 
 
 def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,

@@ -235,6 +235,52 @@ def test_remat_policies_can_save_our_products_by_name():
     assert products_in_grad(both) == 3
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_linear_transpose_of_our_product(dtype):
+    """The name is given only where the product is differentiated (jax cannot transpose a
+    name): linear_transpose in either operand, grad through it and lax.custom_linear_solve's
+    transposed solve (which transposes the matvec) run our products and match jnp's."""
+    kx, kw, kc = jax.random.split(jax.random.key(21), 3)
+    x = jax.random.normal(kx, (129, 72), jnp.float32).astype(dtype)  # unaligned: our kernel under "auto" too
+    w = jax.random.normal(kw, (72, 257), jnp.float32).astype(dtype)
+    ct = jax.random.normal(kc, (129, 257), jnp.float32).astype(dtype)
+    f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
+    exact_x = jnp.dot(f32(ct), f32(w).T, precision="highest")
+    exact_w = jnp.dot(f32(x).T, f32(ct), precision="highest")
+    with jax_hopper.dispatch("kernel"):
+        jaxpr = str(jax.make_jaxpr(lambda c: jax.linear_transpose(lambda v: jax_hopper.matmul(v, w), x)(c))(ct))
+        assert "jax_hopper_gemm" in jaxpr and "dot_general" not in jaxpr, jaxpr
+        (tx,) = jax.jit(lambda c: jax.linear_transpose(lambda v: jax_hopper.matmul(v, w), x)(c))(ct)
+        (tw,) = jax.jit(lambda c: jax.linear_transpose(lambda v: jax_hopper.matmul(x, v), w)(c))(ct)
+        # One rounded product each (K = 257 and 129 here): jnp's error bound, with its factor.
+        (jx,) = jax.linear_transpose(lambda v: jnp.matmul(v, w), x)(ct)
+        (jw,) = jax.linear_transpose(lambda v: jnp.matmul(x, v), w)(ct)
+        assert tx.dtype == tw.dtype == dtype
+        assert relative_error(tx, exact_x) <= ERROR_FACTOR * max(relative_error(jx, exact_x), 2.0**-11)
+        assert relative_error(tw, exact_w) <= ERROR_FACTOR * max(relative_error(jw, exact_w), 2.0**-11)
+
+        # grad of a loss of the transposed map: the transpose of the transpose is our product again.
+        def loss(c, product):
+            (y,) = jax.linear_transpose(lambda v: product(v, w), x)(c)
+            return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+        g = jax.grad(loss)(ct, jax_hopper.matmul)
+        g_jnp = jax.grad(loss)(ct, jnp.matmul)
+        g_exact = jnp.dot(jnp.cos(exact_x), f32(w), precision="highest")
+        assert relative_error(g, g_exact) <= 2 * ERROR_FACTOR * max(relative_error(g_jnp, g_exact), 2.0**-11)
+
+        # custom_linear_solve's transposed solve (reverse mode in its right-hand side) uses
+        # the matvec's linear_transpose. A diagonal solve keeps the answer exact to check.
+        a = jnp.eye(72, dtype=dtype) * 2
+        b = f32(ct[:72, :8])
+
+        def solve(b):
+            matvec = lambda v: jax_hopper.matmul(a, v.astype(dtype)).astype(jnp.float32)  # noqa: E731
+            diag = lambda _, r: r / 2  # noqa: E731
+            return lax.custom_linear_solve(matvec, b, solve=diag, transpose_solve=diag)
+        gb = jax.grad(lambda b: jnp.sum(solve(b) * b))(b)
+        np.testing.assert_allclose(np.asarray(gb), np.asarray(b), rtol=2.0**-8)
+
+
 def _lm_head_loss(dot, labels):
     """Mean cross-entropy of f32 logits h W (an LM head, as mixed-precision models write it)."""
     def loss(h, w):
