@@ -30,6 +30,10 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// try_wait's suspend-time hint (ns): a waiting thread may sleep up to this long in hardware
+// before retrying, instead of spinning on the barrier (CUTLASS passes the same value).
+constexpr uint32_t kWaitSuspendHintNs = 0x989680;
+
 // Blocks until the phase with parity `phase` has completed. A fresh barrier is in
 // phase 0, so waiting on parity 1 returns at once (the "previous" phase counts as done).
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
@@ -37,10 +41,10 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
       "{\n"
       ".reg .pred done;\n"
       "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
       "@!done bra WAIT_%=;\n"
       "}\n" ::"r"(smem_addr(bar)),
-      "r"(phase)
+      "r"(phase), "r"(kWaitSuspendHintNs)
       : "memory");
 }
 
@@ -51,10 +55,10 @@ __device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t ph
       "{\n"
       ".reg .pred done;\n"
       "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1, %2;\n"
       "@!done bra WAIT_%=;\n"
       "}\n" ::"r"(smem_addr(bar)),
-      "r"(phase)
+      "r"(phase), "r"(kWaitSuspendHintNs)
       : "memory");
 }
 
