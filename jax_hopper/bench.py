@@ -15,7 +15,9 @@ K^-1/4, so C has unit variance); enough distinct input sets that they do not fit
 used in rotation; warm-up; variants interleaved sample by sample; medians. Two figures:
 kernel time (device time of the kernels one call launches, read through CUPTI by
 jax.experimental.mosaic.gpu.profiler.measure; CUDA events for torch) and sustained
-throughput (back-to-back async dispatches, where the chip meets its power limit).
+throughput (back-to-back async dispatches, where the chip meets its power limit; each
+loop after an untimed pre-heat of the same variant, the variants' order rotating from
+round to round).
 Ratios are jnp.dot time / ours: above 1 means ours is faster.
 """
 
@@ -50,6 +52,10 @@ L2_BYTES = 60 * 2**20  # H200
 MAX_INPUT_SETS = 64
 KERNEL_SAMPLES = 15  # kernel-time samples per variant
 SUSTAINED_SECONDS = 0.4  # target length of one sustained loop
+# Untimed load before each sustained loop, as a fraction of it: the power limiter's clock
+# follows the recent load, so without it a loop inherits the clock the variant before it
+# left (two runs of the same XLA dot differed by ~4% at 4096^3 depending on order).
+SUSTAINED_PREHEAT = 0.5
 SUSTAINED_ROUNDS = 3
 BREAKDOWN = False  # --breakdown: also each variant's kernels, one by one (mlp and dense steps)
 DTYPES = {"f16": jnp.float16, "bf16": jnp.bfloat16}
@@ -189,14 +195,30 @@ def relative_error(c, a, b, dims) -> float:
 def sustained_ms(variant, sets, kernel_ms_estimate) -> float:
     iters = int(min(2000, max(20, SUSTAINED_SECONDS * 1e3 / max(kernel_ms_estimate, 1e-3))))
     out = None
-    for i in range(len(sets)):  # warm the dispatch path
-        out = variant.dispatch(*sets[i])
+    for i in range(max(len(sets), int(iters * SUSTAINED_PREHEAT))):  # the dispatch path and the clock
+        out = variant.dispatch(*sets[i % len(sets)])
     variant.sync(out)
     t0 = time.perf_counter()
     for i in range(iters):
         out = variant.dispatch(*sets[i % len(sets)])
     variant.sync(out)
     return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def sustained_rounds(timers, progress=None) -> dict[str, list[float]]:
+    """{name: sustained ms per round} for timers {name: () -> ms}, SUSTAINED_ROUNDS rounds.
+    Round r starts at the r-th variant (mod their count), so with as many rounds as
+    variants each runs once in every place of the order and none always follows the same
+    neighbour's load."""
+    names = list(timers)
+    times = {name: [] for name in names}
+    for r in range(SUSTAINED_ROUNDS):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(timers[name]())
+        if progress is not None:
+            progress()
+    return times
 
 
 def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progress, kernels=()):
@@ -249,11 +271,8 @@ def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progr
         progress()
     kernel_med = {name: statistics.median(xs) for name, xs in kernel.items()}
 
-    sustained = {v.name: [] for v in variants}
-    for _ in range(SUSTAINED_ROUNDS):
-        for v in variants:
-            sustained[v.name].append(sustained_ms(v, variant_sets[v.name], kernel_med[v.name]))
-        progress()
+    sustained = sustained_rounds({v.name: functools.partial(sustained_ms, v, variant_sets[v.name], kernel_med[v.name])
+                                  for v in variants}, progress)
     sustained_med = {name: statistics.median(xs) for name, xs in sustained.items()}
 
     flops = 2.0 * max(batch, 1) * m * n * k
@@ -374,11 +393,9 @@ def bench_tp_mlp(tokens, d_model, d_ff, dtype_name, n_devices, progress):
         def __init__(self, f):
             self.dispatch, self.sync = f, jax.block_until_ready
 
-    times = {name: [] for name in variants}
-    for _ in range(SUSTAINED_ROUNDS):
-        for name, f in variants.items():
-            times[name].append(sustained_ms(Wrapped(lambda a, b, f=f: f(a, b, w2)), [(x, w1)], 1.0))
-        progress()
+    times = sustained_rounds({name: functools.partial(sustained_ms, Wrapped(lambda a, b, f=f: f(a, b, w2)),
+                                                      [(x, w1)], 1.0)
+                              for name, f in variants.items()}, progress)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     flops = 2.0 * 2 * tokens * d_model * d_ff
     return [{
@@ -586,8 +603,8 @@ def _time_variants(fns, first, params, flops, meta, progress, auto_path=None):
             kernel[v.name].append(v.kernel_ms(first, params))
         progress()
     kernel_med = {n: statistics.median(ts) for n, ts in kernel.items()}
-    sustained = {v.name: statistics.median(sustained_ms(v, [(first, params)], kernel_med[v.name])
-                                           for _ in range(SUSTAINED_ROUNDS)) for v in variants}
+    sustained = {name: statistics.median(ts) for name, ts in sustained_rounds(
+        {v.name: functools.partial(sustained_ms, v, [(first, params)], kernel_med[v.name]) for v in variants}).items()}
     breakdown = {}
     if BREAKDOWN and all(v.clock == "cupti" for v in variants):
         breakdown = {v.name: kernel_breakdown(v.fn, (first, params), KERNEL_SAMPLES) for v in variants}

@@ -22,6 +22,7 @@ V5_SIGNATURE = [
     "HGMMA.64x256x16.F32",  # wgmma m64n256k16, f32 accumulate
     "UTMALDG",  # TMA loads
     "SYNCS",  # mbarrier operations
+    "NANOSLEEP.SYNCS",  # a wait's retry sleeps on the barrier (try_wait's suspend-time hint), not spins
     "WARPGROUP.DEPBAR.LE gsb0, 0x1",  # wgmma.wait_group(1): one group kept in flight
 ]
 
