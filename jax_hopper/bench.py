@@ -815,7 +815,8 @@ def main(argv=None):
         if args.json:
             meta = {"device": dev.device_kind, "jax": jax.__version__,
                     "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                    "protocol": {"kernel_samples": KERNEL_SAMPLES, "sustained_rounds": SUSTAINED_ROUNDS}}
+                    "protocol": {"kernel_samples": KERNEL_SAMPLES, "sustained_rounds": SUSTAINED_ROUNDS,
+                                 "sustained_preheat": SUSTAINED_PREHEAT, "sustained_order": "rotated"}}
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
