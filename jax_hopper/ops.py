@@ -418,7 +418,8 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     GELU, tanh-GELU and SiLU without a residual where the derivative kind runs
     (_dispatch.choose_dense_with_derivative): one launch then writes act(z) and act'(z),
     and the backward pass multiplies by act'(z); in a program spanning devices that
-    launch lowers to jnp's computation) and vmappable.
+    launch lowers to jnp's computation) and vmappable. With no bias, activation or
+    residual it is ``matmul(x, w)``: our plain product, dispatched and transposable as such.
     """
     from jax_hopper._fallback import dense_like_jnp
     from jax_hopper._fused import fused_dense
@@ -438,6 +439,10 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
+    if bias is None and residual is None and activation is None:
+        # Nothing to fuse: the layer is our plain product, dispatched by the rules measured
+        # on plain products and linear like it (jax.linear_transpose works through it).
+        return matmul(x, w)
     bias = None if bias is None else jnp.asarray(bias, dtype)
     residual = None if residual is None else jnp.asarray(residual, dtype)
     if _epilogue_changes_result_type(x, w, bias, residual):  # (explicit mesh axes) jnp's sum combines the shardings

@@ -77,6 +77,25 @@ def test_kernel_policy_lowers_to_one_fused_call():
     assert "dot_general" not in text and "tanh" not in text  # bias, GELU and residual are in the kernel
 
 
+def test_nothing_to_fuse_is_our_plain_product_and_transposes():
+    # No bias, activation or residual: the layer is the plain product (its call, its
+    # rules), so jax.linear_transpose works through it in either operand.
+    x, w, _, _ = _operands((129, 72), 257, jnp.float16, bias=False, residual=False)
+    ct = seed_normal(jax.random.key(5), (129, 257), jnp.float16, 257)
+    with jax_hopper.dispatch("kernel"):
+        text = cuda_text(lambda x, w: jax_hopper.dense(x, w), x, w)
+        assert re.findall(r"stablehlo\.custom_call @(\S+)\(", text) == ["jax_hopper_gemm"], text
+        assert_close_to_reference(jax.jit(lambda x, w: jax_hopper.dense(x, w))(x, w), x, w, None, None, None)
+        (tx,) = jax.linear_transpose(lambda v: jax_hopper.dense(v, w), x)(ct)
+        (tw,) = jax.linear_transpose(lambda v: jax_hopper.dense(x, v), w)(ct)
+        # Each a product with one rounding: the rule of the value tests, against f32 products.
+        f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
+        for got, exact in ((tx, jnp.dot(f32(ct), f32(w).T, precision="highest")),
+                           (tw, jnp.dot(f32(x).T, f32(ct), precision="highest"))):
+            assert got.dtype == jnp.float16
+            assert relative_error(got, exact) <= ERROR_FACTOR * relative_error(exact.astype(got.dtype), exact) + 1e-6
+
+
 def test_auto_policy_on_aligned_shapes_is_xla():
     x, w, b, r = _operands((256, 128), 512, jnp.float16)
     with jax_hopper.dispatch("auto"):
