@@ -207,6 +207,44 @@ def test_partly_manual_shard_map_partitions_the_free_axis_like_jnp(axis_type, la
                 assert relative_error(g_ours, g_ref.astype(jnp.float32)) < 1e-2, (sx, sw)
 
 
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+@pytest.mark.parametrize("result", [jnp.float16, jnp.float32], ids=["f16-result", "f32-result"])
+@pytest.mark.parametrize("wrt", ["x", "w"])
+def test_jitted_hvp_with_an_untyped_tangent_behaves_like_jnp(wrt, result, policy):
+    """A Hessian-vector product under explicit mesh axes whose direction is a fresh array
+    (typed without the primal's mesh axes), jitted: it runs where jnp's runs, with jnp's
+    result type and values, and where jnp refuses (a sharded contraction) so do we."""
+    mm = mesh(AxisType.Explicit)
+    x0, w0 = _random(jax.random.key(50), (M, K)), _random(jax.random.key(51), (K, N)) / 8
+    v = _random(jax.random.key(52), (M, K) if wrt == "x" else (K, N))  # no mesh axes in its type
+
+    def hvp(product):
+        def loss(x, w):
+            return jnp.sum(jnp.sin(product(x, w, preferred_element_type=result).astype(jnp.float32)))
+        if wrt == "x":
+            return jax.jit(lambda x, w, v: jax.jvp(lambda a: jax.grad(loss)(a, w), (x,), (v,))[1])
+        return jax.jit(lambda x, w, v: jax.jvp(lambda b: jax.grad(loss, argnums=1)(x, b), (w,), (v,))[1])
+
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm), \
+            jax_hopper.dispatch(policy):
+        for sx, sw in [(P("x", None), P()), (P(), P(None, "y")), (P("x", None), P(None, "y")),
+                       (P(None, "y"), P("y", None))]:  # the last: a sharded K, which jnp refuses
+            x, w = jax.device_put(x0, NamedSharding(mm, sx)), jax.device_put(w0, NamedSharding(mm, sw))
+            try:
+                ref = hvp(jnp.matmul)(x, w, v)
+            except Exception as e:  # noqa: BLE001 -- whatever jnp raises, we must raise too
+                with pytest.raises(type(e)):
+                    hvp(jax_hopper.matmul)(x, w, v)
+                continue
+            ours = hvp(jax_hopper.matmul)(x, w, v)
+            assert jax.typeof(ours) == jax.typeof(ref), (sx, sw, jax.typeof(ours), jax.typeof(ref))
+            # Three rounded products deep (forward, backward, tangent): jnp's error against
+            # the f32 computation bounds ours, with the factor the other chained tests use.
+            want = hvp(lambda a, b, **kw: jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32)))(
+                x.astype(jnp.float32), w.astype(jnp.float32), v.astype(jnp.float32))
+            assert relative_error(ours, want) <= 2 * max(relative_error(ref, want), 2.0**-11), (sx, sw)
+
+
 def test_explicit_axis_types_behave_like_jnp():
     mm = mesh(AxisType.Explicit)
     a = _random(jax.random.key(6), (M, K))
