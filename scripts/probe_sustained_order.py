@@ -1,0 +1,89 @@
+"""Probe: does the benchmark's sustained figure depend on a variant's place in the order?
+
+An A/A check of `bench.sustained_rounds`: variants that run the same computation should
+read 1.000 against each other. In the sweep at ef85790 the dispatcher's XLA path (the
+same dot as jnp.dot) read 1.001-1.015x jnp.dot sustained in all 18 rows where both ran
+XLA, with kernel times equal. Two line-ups, each for ROUNDS rotated rounds:
+  same     three jnp.dot variants (separate jits of one function)
+  mixed    jnp.dot "A", our kernel, jnp.dot "C": does the loop after ours differ?
+Every timed loop is printed with its round, place and predecessor, and the SM clock,
+power and temperature that nvidia-smi reads just before it (outside the timed part).
+    python scripts/probe_sustained_order.py [MxNxK ...]     (default 8192 4096; JSON to $OUT or .)
+"""
+
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import jax
+
+from jax_hopper import bench
+from jax_hopper._primitive import gemm
+
+ROUNDS = 6
+SMI_FIELDS = "clocks.sm,power.draw,temperature.gpu"
+
+
+def smi():
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return [float(x) for x in out.strip().split(",")]
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def run(shape, lineup):
+    m, n, k = shape
+    sets = bench.make_inputs((m, k), (k, n), k, bench.DTYPES["f16"], bench.input_set_count((m, k), (k, n), 2))
+    dot = functools.partial(jax.lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())))
+    names = ["A", "B", "C"] if lineup == "same" else ["A", "ours", "C"]
+    variants = {name: bench.JaxVariant(name, gemm if name == "ours" else dot) for name in names}
+    kernel = {}
+    for name, v in variants.items():
+        v.kernel_ms(*sets[0])  # compile and warm up
+        kernel[name] = statistics.median(v.kernel_ms(*sets[i % len(sets)]) for i in range(7))
+    log = []
+    previous = [None]
+
+    def timer(name):
+        state = smi()
+        ms = bench.sustained_ms(variants[name], sets, kernel[name])
+        log.append({"name": name, "after": previous[0], "smi_before": state, "ms": ms})
+        previous[0] = name
+        return ms
+
+    saved = bench.SUSTAINED_ROUNDS
+    bench.SUSTAINED_ROUNDS = ROUNDS
+    try:
+        times = bench.sustained_rounds({name: functools.partial(timer, name) for name in names})
+    finally:
+        bench.SUSTAINED_ROUNDS = saved
+    for i, rec in enumerate(log):
+        rec["round"], rec["place"] = divmod(i, len(names))
+    ref = statistics.median(times["C"])
+    label = f"{m}x{n}x{k} {lineup}"
+    for name in names:
+        med = statistics.median(times[name])
+        print(f"{label:>22} {name:>5}: kernel {kernel[name]:.4f} ms, sustained median {med:.4f} ms, "
+              f"C / it {ref / med:.4f}; rounds {' '.join(f'{t:.4f}' for t in times[name])}")
+    for rec in log:
+        print(f"{label:>22}   round {rec['round']} place {rec['place']} {rec['name']:>5} after {rec['after'] or '-':>5}:"
+              f" {rec['ms']:.4f} ms  smi before (MHz, W, C) {rec['smi_before']}")
+    return {"shape": shape, "lineup": lineup, "kernel_ms": kernel, "loops": log}
+
+
+def main(argv):
+    shapes = [bench.parse_shape(s) for s in (argv or ["8192", "4096"])]
+    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  preheat {bench.SUSTAINED_PREHEAT}")
+    results = [run(shape, lineup) for shape in shapes for lineup in ("same", "mixed")]
+    path = os.path.join(os.environ.get("OUT", "."), "probe_sustained_order.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
