@@ -17,7 +17,7 @@ kernel time (device time of the kernels one call launches, read through CUPTI by
 jax.experimental.mosaic.gpu.profiler.measure; CUDA events for torch) and sustained
 throughput (back-to-back async dispatches, where the chip meets its power limit; each
 loop after an untimed pre-heat of the same variant, the variants' order rotating from
-round to round).
+round to round, after one untimed round that lets the chip settle under the load).
 Ratios are jnp.dot time / ours: above 1 means ours is faster.
 """
 
@@ -57,6 +57,13 @@ SUSTAINED_SECONDS = 0.4  # target length of one sustained loop
 # left (two runs of the same XLA dot differed by ~4% at 4096^3 depending on order).
 SUSTAINED_PREHEAT = 0.5
 SUSTAINED_ROUNDS = 3
+# Untimed rounds before the timed ones. The kernel-time samples leave the chip cool and
+# at its top clock; the first sustained loop after them ran 1.3-3% faster than the same
+# dot in later rounds (scripts/probe_sustained_order.py: 1980 MHz, 49 C before it,
+# 1395-1440 MHz, 63-65 C before the rest), and the pre-heat alone is too short to settle
+# it. Without a settling round that loop was always the first variant's, and the
+# dispatcher's XLA path read ~1% faster than jnp.dot, the same dot (the sweep at ef85790).
+SUSTAINED_SETTLE_ROUNDS = 1
 BREAKDOWN = False  # --breakdown: also each variant's kernels, one by one (mlp and dense steps)
 DTYPES = {"f16": jnp.float16, "bf16": jnp.bfloat16}
 # The shapes users run (issue 4's sweep): squares, LLM training shapes, decode shapes
@@ -206,11 +213,14 @@ def sustained_ms(variant, sets, kernel_ms_estimate) -> float:
 
 
 def sustained_rounds(timers, progress=None) -> dict[str, list[float]]:
-    """{name: sustained ms per round} for timers {name: () -> ms}, SUSTAINED_ROUNDS rounds.
-    Round r starts at the r-th variant (mod their count), so with as many rounds as
-    variants each runs once in every place of the order and none always follows the same
-    neighbour's load."""
+    """{name: sustained ms per round} for timers {name: () -> ms}, SUSTAINED_ROUNDS rounds
+    after SUSTAINED_SETTLE_ROUNDS untimed ones (the chip's clock and temperature settle
+    under the load first). Timed round r starts at the r-th variant (mod their count), so
+    with as many rounds as variants each runs once in every place of the order."""
     names = list(timers)
+    for _ in range(SUSTAINED_SETTLE_ROUNDS):
+        for name in names:
+            timers[name]()
     times = {name: [] for name in names}
     for r in range(SUSTAINED_ROUNDS):
         shift = r % len(names)
@@ -816,7 +826,8 @@ def main(argv=None):
             meta = {"device": dev.device_kind, "jax": jax.__version__,
                     "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                     "protocol": {"kernel_samples": KERNEL_SAMPLES, "sustained_rounds": SUSTAINED_ROUNDS,
-                                 "sustained_preheat": SUSTAINED_PREHEAT, "sustained_order": "rotated"}}
+                                 "sustained_preheat": SUSTAINED_PREHEAT, "sustained_order": "rotated",
+                                 "sustained_settle_rounds": SUSTAINED_SETTLE_ROUNDS}}
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

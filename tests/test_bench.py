@@ -98,13 +98,15 @@ def test_geometric_means_cover_product_cases_and_our_kernel_forced(capsys):
 
 
 def test_sustained_rounds_rotate_the_order(monkeypatch):
-    # Each variant must take every place in the order (the power limiter's clock follows
-    # the previous loop's load), and every variant gets one time per round.
+    # An untimed round first (the chip settles under load after the kernel-time samples),
+    # then each variant must take every place in the order (the power limiter's clock
+    # follows the previous loop's load), and every variant gets one time per round.
     monkeypatch.setattr(bench, "SUSTAINED_ROUNDS", 3)
+    monkeypatch.setattr(bench, "SUSTAINED_SETTLE_ROUNDS", 1)
     order = []
     timers = {name: (lambda name=name: order.append(name) or float(len(order))) for name in "abc"}
     rounds = []
     times = bench.sustained_rounds(timers, progress=lambda: rounds.append(list(order)))
-    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert order == ["a", "b", "c"] + ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert len(rounds) == 3
-    assert times == {"a": [1.0, 6.0, 8.0], "b": [2.0, 4.0, 9.0], "c": [3.0, 5.0, 7.0]}
+    assert times == {"a": [4.0, 9.0, 11.0], "b": [5.0, 7.0, 12.0], "c": [6.0, 8.0, 10.0]}
