@@ -2,8 +2,8 @@
 
 An A/A check of `bench.sustained_rounds`: variants that run the same computation should
 read 1.000 against each other. In the sweep at ef85790 the dispatcher's XLA path (the
-same dot as jnp.dot) read 1.001-1.015x jnp.dot sustained in all 18 rows where both ran
-XLA, with kernel times equal. Two line-ups, each for ROUNDS rotated rounds:
+same dot as jnp.dot) read 1.001-1.015x jnp.dot sustained in all 20 rows of at least
+4096^3's work where both ran XLA, with kernel times equal. Two line-ups, each for ROUNDS rotated rounds:
   same     three jnp.dot variants (separate jits of one function)
   mixed    jnp.dot "A", our kernel, jnp.dot "C": does the loop after ours differ?
 Every loop is timed and printed with its round, place and predecessor, and the SM clock,
@@ -77,8 +77,8 @@ def run(shape, lineup):
         print(f"{label:>22} {name:>5}: kernel {kernel[name]:.4f} ms, sustained median {med:.4f} ms, "
               f"C / it {ref / med:.4f}; rounds {' '.join(f'{t:.4f}' for t in times[name])}")
     for rec in log:
-        print(f"{label:>22}   round {rec['round']} place {rec['place']} {rec['name']:>5} after {rec['after'] or '-':>5}:"
-              f" {rec['ms']:.4f} ms  smi before (MHz, W, C) {rec['smi_before']}")
+        where = f"round {rec['round']} place {rec['place']} {rec['name']:>5} after {rec['after'] or '-':>5}"
+        print(f"{label:>22}   {where}: {rec['ms']:.4f} ms  smi before (MHz, W, C) {rec['smi_before']}")
     return {"shape": shape, "lineup": lineup, "kernel_ms": kernel, "loops": log}
 
 
