@@ -760,7 +760,8 @@ def main(argv=None):
                    "for small_m), e.g. the default's ablations persistent_basic,persistent_tma,persistent_immediate,"
                    "persistent_static,persistent_wait0")
     p.add_argument("--samples", type=int, default=KERNEL_SAMPLES, help="kernel-time samples per variant (median)")
-    p.add_argument("--rounds", type=int, default=SUSTAINED_ROUNDS, help="sustained-throughput rounds (median)")
+    p.add_argument("--rounds", type=int, default=SUSTAINED_ROUNDS, help="sustained-throughput rounds (median), after "
+                   f"{SUSTAINED_SETTLE_ROUNDS} untimed settling round(s)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.matmul column")
     p.add_argument("--sweep", action="store_true", help="the shapes users run (replaces --shapes; adds NT and TN "
                    "at 8192^3)")
