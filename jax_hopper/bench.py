@@ -58,9 +58,9 @@ SUSTAINED_SECONDS = 0.4  # target length of one sustained loop
 SUSTAINED_PREHEAT = 0.5
 SUSTAINED_ROUNDS = 3
 # Untimed rounds before the timed ones. The kernel-time samples leave the chip cool and
-# at its top clock; the first sustained loop after them ran 1.3-3% faster than the same
-# dot in later rounds (scripts/probe_sustained_order.py: 1980 MHz, 49 C before it,
-# 1395-1440 MHz, 63-65 C before the rest), and the pre-heat alone is too short to settle
+# at its top clock; the first sustained loop after them ran 1.2-3.1% faster than the same
+# dot in later rounds (scripts/probe_sustained_order.py: 1965-1980 MHz, 47-54 C before it,
+# 1395-1470 MHz, 57-66 C before the rest), and the pre-heat alone is too short to settle
 # it. Without a settling round that loop was always the first variant's, and the
 # dispatcher's XLA path read ~1% faster than jnp.dot, the same dot (the sweep at ef85790).
 SUSTAINED_SETTLE_ROUNDS = 1

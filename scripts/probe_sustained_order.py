@@ -10,7 +10,7 @@ Every loop is timed and printed with its round, place and predecessor, and the S
 power and temperature that nvidia-smi reads just before it (outside the timed part); the
 medians leave out the first SETTLE rounds, as the benchmark does. Run at 9560b60 (before
 the settling round, medians of all 6 rounds): identical dots 0.9995-1.0013 apart; the
-first loop of round 0, after the kernel-time samples, 1.3-3% faster than the rest.
+first loop of round 0, after the kernel-time samples, 1.2-3.1% faster than the rest.
     python scripts/probe_sustained_order.py [MxNxK ...]     (default 8192 4096; JSON to $OUT or .)
 """
 
