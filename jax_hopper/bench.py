@@ -212,17 +212,18 @@ def sustained_ms(variant, sets, kernel_ms_estimate) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def sustained_rounds(timers, progress=None) -> dict[str, list[float]]:
-    """{name: sustained ms per round} for timers {name: () -> ms}, SUSTAINED_ROUNDS rounds
-    after SUSTAINED_SETTLE_ROUNDS untimed ones (the chip's clock and temperature settle
-    under the load first). Timed round r starts at the r-th variant (mod their count), so
-    with as many rounds as variants each runs once in every place of the order."""
+def sustained_rounds(timers, progress=None, *, rounds=None, settle=None) -> dict[str, list[float]]:
+    """{name: sustained ms per round} for timers {name: () -> ms}, `rounds` rounds
+    (default SUSTAINED_ROUNDS) after `settle` untimed ones (default
+    SUSTAINED_SETTLE_ROUNDS: the chip's clock and temperature settle under the load
+    first). Timed round r starts at the r-th variant (mod their count), so with as many
+    rounds as variants each runs once in every place of the order."""
     names = list(timers)
-    for _ in range(SUSTAINED_SETTLE_ROUNDS):
+    for _ in range(SUSTAINED_SETTLE_ROUNDS if settle is None else settle):
         for name in names:
             timers[name]()
     times = {name: [] for name in names}
-    for r in range(SUSTAINED_ROUNDS):
+    for r in range(SUSTAINED_ROUNDS if rounds is None else rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             times[name].append(timers[name]())

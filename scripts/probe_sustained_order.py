@@ -60,13 +60,8 @@ def run(shape, lineup):
         previous[0] = name
         return ms
 
-    saved = bench.SUSTAINED_ROUNDS, bench.SUSTAINED_SETTLE_ROUNDS
-    # Every loop timed and logged, the first too: SETTLE rounds are the settling rounds.
-    bench.SUSTAINED_ROUNDS, bench.SUSTAINED_SETTLE_ROUNDS = ROUNDS, 0
-    try:
-        times = bench.sustained_rounds({name: functools.partial(timer, name) for name in names})
-    finally:
-        bench.SUSTAINED_ROUNDS, bench.SUSTAINED_SETTLE_ROUNDS = saved
+    # Every loop timed and logged, the first too: the first SETTLE rounds are the settling rounds.
+    times = bench.sustained_rounds({name: functools.partial(timer, name) for name in names}, rounds=ROUNDS, settle=0)
     times = {name: ts[SETTLE:] for name, ts in times.items()}
     for i, rec in enumerate(log):
         rec["round"], rec["place"] = divmod(i, len(names))
