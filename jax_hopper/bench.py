@@ -16,9 +16,10 @@ used in rotation; warm-up; variants interleaved sample by sample; medians. Two f
 kernel time (device time of the kernels one call launches, read through CUPTI by
 jax.experimental.mosaic.gpu.profiler.measure; CUDA events for torch) and sustained
 throughput (back-to-back async dispatches, where the chip meets its power limit; each
-loop after an untimed pre-heat of the same variant, the variants' order rotating from
-round to round, after one untimed round that lets the chip settle under the load).
-Ratios are jnp.dot time / ours: above 1 means ours is faster.
+loop after an untimed pre-heat of the same variant, after one untimed round that lets
+the chip settle under the load; rounds in mirrored pairs, the order rotating from pair to
+pair, and the mean over rounds, so neither the drift of the clock nor the variant before a
+loop favours any variant). Ratios are jnp.dot time / ours: above 1 means ours is faster.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ SUSTAINED_SECONDS = 0.4  # target length of one sustained loop
 # follows the recent load, so without it a loop inherits the clock the variant before it
 # left (two runs of the same XLA dot differed by ~4% at 4096^3 depending on order).
 SUSTAINED_PREHEAT = 0.5
-SUSTAINED_ROUNDS = 3
+# Rounds come in pairs, the second in the reverse order of the first (sustained_rounds):
+# keep this even.
+SUSTAINED_ROUNDS = 4
 # Untimed rounds before the timed ones. The kernel-time samples leave the chip cool and
 # at its top clock; the first sustained loop after them ran 1.2-3.1% faster than the same
 # dot in later rounds (scripts/probe_sustained_order.py: 1965-1980 MHz, 47-54 C before it,
@@ -216,20 +219,34 @@ def sustained_rounds(timers, progress=None, *, rounds=None, settle=None) -> dict
     """{name: sustained ms per round} for timers {name: () -> ms}, `rounds` rounds
     (default SUSTAINED_ROUNDS) after `settle` untimed ones (default
     SUSTAINED_SETTLE_ROUNDS: the chip's clock and temperature settle under the load
-    first). Timed round r starts at the r-th variant (mod their count), so with as many
-    rounds as variants each runs once in every place of the order."""
+    first).
+
+    Rounds come in pairs: round 2p runs the variants rotated by p, round 2p + 1 the same
+    order reversed. Within a pair every variant's places add up to the same number, and
+    the loop before each one is once its predecessor and once its successor; over an even
+    number of rounds a clock that drifts linearly in time therefore moves every variant's
+    mean (sustained_mean) by the same amount. The rotation alone left the dispatcher's XLA
+    path 0.45% ahead of jnp.dot, the same dot, on average over the sweep's large rows
+    (27c1162, with medians of 3 rounds)."""
     names = list(timers)
     for _ in range(SUSTAINED_SETTLE_ROUNDS if settle is None else settle):
         for name in names:
             timers[name]()
     times = {name: [] for name in names}
     for r in range(SUSTAINED_ROUNDS if rounds is None else rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        shift = (r // 2) % len(names)
+        order = names[shift:] + names[:shift]
+        for name in (order[::-1] if r % 2 else order):
             times[name].append(timers[name]())
         if progress is not None:
             progress()
     return times
+
+
+def sustained_mean(times) -> dict[str, float]:
+    """{name: mean ms} of sustained_rounds' result: the mean, not the median, because the
+    balance of its order holds for sums."""
+    return {name: statistics.fmean(ts) for name, ts in times.items()}
 
 
 def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progress, kernels=()):
@@ -284,7 +301,7 @@ def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progr
 
     sustained = sustained_rounds({v.name: functools.partial(sustained_ms, v, variant_sets[v.name], kernel_med[v.name])
                                   for v in variants}, progress)
-    sustained_med = {name: statistics.median(xs) for name, xs in sustained.items()}
+    sustained_avg = sustained_mean(sustained)
 
     flops = 2.0 * max(batch, 1) * m * n * k
     rows = []
@@ -295,8 +312,9 @@ def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progr
             "kernel_ms": kernel_med[v.name], "kernel_tflops": flops / kernel_med[v.name] / 1e9,
             "kernel_ratio_vs_jnp": kernel_med["jnp.dot"] / kernel_med[v.name],
             "kernel_spread_ms": [min(kernel[v.name]), max(kernel[v.name])],
-            "sustained_ms": sustained_med[v.name], "sustained_tflops": flops / sustained_med[v.name] / 1e9,
-            "sustained_ratio_vs_jnp": sustained_med["jnp.dot"] / sustained_med[v.name],
+            "sustained_ms": sustained_avg[v.name], "sustained_tflops": flops / sustained_avg[v.name] / 1e9,
+            "sustained_ratio_vs_jnp": sustained_avg["jnp.dot"] / sustained_avg[v.name],
+            "sustained_rounds_ms": sustained[v.name],
             "rel_error": errors.get(v.name), "input_sets": n_sets,
             "path": path if v.name == "jax_hopper" else None, "rule": rule if v.name == "jax_hopper" else None,
         })
@@ -407,14 +425,14 @@ def bench_tp_mlp(tokens, d_model, d_ff, dtype_name, n_devices, progress):
     times = sustained_rounds({name: functools.partial(sustained_ms, Wrapped(lambda a, b, f=f: f(a, b, w2)),
                                                       [(x, w1)], 1.0)
                               for name, f in variants.items()}, progress)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+    avg = sustained_mean(times)
     flops = 2.0 * 2 * tokens * d_model * d_ff
     return [{
         "batch": 0, "m": tokens, "n": d_ff, "k": d_model, "layout": f"tp-mlp x{n_devices}", "dtype": dtype_name,
-        "variant": name, "clock": "wall", "kernel_ms": med[name], "kernel_tflops": flops / med[name] / 1e9,
-        "kernel_ratio_vs_jnp": med["jnp.dot"] / med[name], "kernel_spread_ms": [min(times[name]), max(times[name])],
-        "sustained_ms": med[name], "sustained_tflops": flops / med[name] / 1e9,
-        "sustained_ratio_vs_jnp": med["jnp.dot"] / med[name],
+        "variant": name, "clock": "wall", "kernel_ms": avg[name], "kernel_tflops": flops / avg[name] / 1e9,
+        "kernel_ratio_vs_jnp": avg["jnp.dot"] / avg[name], "kernel_spread_ms": [min(times[name]), max(times[name])],
+        "sustained_ms": avg[name], "sustained_tflops": flops / avg[name] / 1e9,
+        "sustained_ratio_vs_jnp": avg["jnp.dot"] / avg[name],
         "rel_error": err if name == "jax_hopper" else 0.0, "input_sets": 1,
     } for name in variants]
 
@@ -614,8 +632,9 @@ def _time_variants(fns, first, params, flops, meta, progress, auto_path=None):
             kernel[v.name].append(v.kernel_ms(first, params))
         progress()
     kernel_med = {n: statistics.median(ts) for n, ts in kernel.items()}
-    sustained = {name: statistics.median(ts) for name, ts in sustained_rounds(
-        {v.name: functools.partial(sustained_ms, v, [(first, params)], kernel_med[v.name]) for v in variants}).items()}
+    sustained_rounds_ms = sustained_rounds(
+        {v.name: functools.partial(sustained_ms, v, [(first, params)], kernel_med[v.name]) for v in variants})
+    sustained = sustained_mean(sustained_rounds_ms)
     breakdown = {}
     if BREAKDOWN and all(v.clock == "cupti" for v in variants):
         breakdown = {v.name: kernel_breakdown(v.fn, (first, params), KERNEL_SAMPLES) for v in variants}
@@ -628,6 +647,7 @@ def _time_variants(fns, first, params, flops, meta, progress, auto_path=None):
         "kernel_spread_ms": [min(kernel[v.name]), max(kernel[v.name])],
         "sustained_ms": sustained[v.name], "sustained_tflops": flops / sustained[v.name] / 1e9,
         "sustained_ratio_vs_jnp": sustained["jnp"] / sustained[v.name],
+        "sustained_rounds_ms": sustained_rounds_ms[v.name],
         "rel_error": errors[v.name] if v.name != "jnp" else None, "input_sets": 1,
         "path": (paths.get(v.name) or (None, None))[0], "rule": (paths.get(v.name) or (None, None))[1],
     } for v in variants]
@@ -761,7 +781,8 @@ def main(argv=None):
                    "for small_m), e.g. the default's ablations persistent_basic,persistent_tma,persistent_immediate,"
                    "persistent_static,persistent_wait0")
     p.add_argument("--samples", type=int, default=KERNEL_SAMPLES, help="kernel-time samples per variant (median)")
-    p.add_argument("--rounds", type=int, default=SUSTAINED_ROUNDS, help="sustained-throughput rounds (median), after "
+    p.add_argument("--rounds", type=int, default=SUSTAINED_ROUNDS, help="sustained-throughput rounds (mean; even: "
+                   "they pair up in mirrored orders), after "
                    f"{SUSTAINED_SETTLE_ROUNDS} untimed settling round(s)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.matmul column")
     p.add_argument("--sweep", action="store_true", help="the shapes users run (replaces --shapes; adds NT and TN "
@@ -828,7 +849,7 @@ def main(argv=None):
             meta = {"device": dev.device_kind, "jax": jax.__version__,
                     "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                     "protocol": {"kernel_samples": KERNEL_SAMPLES, "sustained_rounds": SUSTAINED_ROUNDS,
-                                 "sustained_preheat": SUSTAINED_PREHEAT, "sustained_order": "rotated",
+                                 "sustained_preheat": SUSTAINED_PREHEAT, "sustained_order": "mirrored pairs, rotated", "sustained_statistic": "mean",
                                  "sustained_settle_rounds": SUSTAINED_SETTLE_ROUNDS}}
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -3,14 +3,15 @@
 An A/A check of `bench.sustained_rounds`: variants that run the same computation should
 read 1.000 against each other. In the sweep at ef85790 the dispatcher's XLA path (the
 same dot as jnp.dot) read 1.001-1.015x jnp.dot sustained in all 20 rows of at least
-4096^3's work where both ran XLA, with kernel times equal. Two line-ups, each for ROUNDS rotated rounds:
+4096^3's work where both ran XLA, with kernel times equal. Two line-ups, each for SETTLE rounds and then
+ROUNDS rounds in the benchmark's order (bench.sustained_rounds):
   same     three jnp.dot variants (separate jits of one function)
   mixed    jnp.dot "A", our kernel, jnp.dot "C": does the loop after ours differ?
 Every loop is timed and printed with its round, place and predecessor, and the SM clock,
 power and temperature that nvidia-smi reads just before it (outside the timed part); the
-medians leave out the first SETTLE rounds, as the benchmark does. Run at 9560b60 (before
-the settling round, medians of all 6 rounds): identical dots 0.9995-1.0013 apart; the
-first loop of round 0, after the kernel-time samples, 1.2-3.1% faster than the rest.
+means leave out the SETTLE rounds, as the benchmark does. Run at 9560b60 (rotated order,
+before the settling round, medians of all 6 rounds): identical dots 0.9995-1.0013 apart;
+the first loop of round 0, after the kernel-time samples, 1.2-3.1% faster than the rest.
     python scripts/probe_sustained_order.py [MxNxK ...]     (default 8192 4096; JSON to $OUT or .)
 """
 
@@ -26,8 +27,8 @@ import jax
 from jax_hopper import bench
 from jax_hopper._primitive import gemm
 
-ROUNDS = 6
-SETTLE = 1  # leading rounds left out of the medians (bench.SUSTAINED_SETTLE_ROUNDS' role)
+ROUNDS = 6  # three mirrored pairs
+SETTLE = 1  # leading rounds, logged but left out of the means (bench.SUSTAINED_SETTLE_ROUNDS' role)
 SMI_FIELDS = "clocks.sm,power.draw,temperature.gpu"
 
 
@@ -60,17 +61,18 @@ def run(shape, lineup):
         previous[0] = name
         return ms
 
-    # Every loop timed and logged, the first too: the first SETTLE rounds are the settling rounds.
+    # Every loop timed and logged, the settling rounds' too (in the benchmark's order for them).
+    for _ in range(SETTLE):
+        for name in names:
+            timer(name)
     times = bench.sustained_rounds({name: functools.partial(timer, name) for name in names}, rounds=ROUNDS, settle=0)
-    times = {name: ts[SETTLE:] for name, ts in times.items()}
     for i, rec in enumerate(log):
         rec["round"], rec["place"] = divmod(i, len(names))
-    ref = statistics.median(times["C"])
+    mean = bench.sustained_mean(times)
     label = f"{m}x{n}x{k} {lineup}"
     for name in names:
-        med = statistics.median(times[name])
-        print(f"{label:>22} {name:>5}: kernel {kernel[name]:.4f} ms, sustained median {med:.4f} ms, "
-              f"C / it {ref / med:.4f}; rounds {' '.join(f'{t:.4f}' for t in times[name])}")
+        print(f"{label:>22} {name:>5}: kernel {kernel[name]:.4f} ms, sustained mean {mean[name]:.4f} ms, "
+              f"C / it {mean['C'] / mean[name]:.4f}; rounds {' '.join(f'{t:.4f}' for t in times[name])}")
     for rec in log:
         where = f"round {rec['round']} place {rec['place']} {rec['name']:>5} after {rec['after'] or '-':>5}"
         print(f"{label:>22}   {where}: {rec['ms']:.4f} ms  smi before (MHz, W, C) {rec['smi_before']}")

@@ -97,16 +97,20 @@ def test_geometric_means_cover_product_cases_and_our_kernel_forced(capsys):
     assert bench.geometric_means(rows[-1:]) is None
 
 
-def test_sustained_rounds_rotate_the_order(monkeypatch):
+def test_sustained_rounds_mirror_and_rotate_the_order(monkeypatch):
     # An untimed round first (the chip settles under load after the kernel-time samples),
-    # then each variant must take every place in the order (the power limiter's clock
-    # follows the previous loop's load), and every variant gets one time per round.
-    monkeypatch.setattr(bench, "SUSTAINED_ROUNDS", 3)
+    # then rounds in mirrored pairs, rotated from pair to pair: every variant gets one
+    # time per round, every variant's places in the order add up to the same number over
+    # each pair, and each variant follows every other variant as often as it precedes it.
+    monkeypatch.setattr(bench, "SUSTAINED_ROUNDS", 4)
     monkeypatch.setattr(bench, "SUSTAINED_SETTLE_ROUNDS", 1)
     order = []
     timers = {name: (lambda name=name: order.append(name) or float(len(order))) for name in "abc"}
     rounds = []
     times = bench.sustained_rounds(timers, progress=lambda: rounds.append(list(order)))
-    assert order == ["a", "b", "c"] + ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    assert len(rounds) == 3
-    assert times == {"a": [4.0, 9.0, 11.0], "b": [5.0, 7.0, 12.0], "c": [6.0, 8.0, 10.0]}
+    assert order == ["a", "b", "c"] + ["a", "b", "c", "c", "b", "a", "b", "c", "a", "a", "c", "b"]
+    assert len(rounds) == 4
+    assert times == {"a": [4.0, 9.0, 12.0, 13.0], "b": [5.0, 8.0, 10.0, 15.0], "c": [6.0, 7.0, 11.0, 14.0]}
+    # A clock that drifts linearly (here: time = place in the sequence) moves every
+    # variant's mean alike, so identical variants read identical means.
+    assert len(set(bench.sustained_mean(times).values())) == 1
