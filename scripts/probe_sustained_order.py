@@ -7,6 +7,9 @@ same dot as jnp.dot) read 1.001-1.015x jnp.dot sustained in all 20 rows of at le
 ROUNDS rounds in the benchmark's order (bench.sustained_rounds):
   same     three jnp.dot variants (separate jits of one function)
   mixed    jnp.dot "A", our kernel, jnp.dot "C": does the loop after ours differ?
+  path     the sweep's line-up: jax_hopper.dot_general "A" (the dispatcher's XLA path, the same
+           dot), our kernel, jnp.dot "C": at 997945a (mirrored rounds) the sweep still read
+           its A 0.2-1.4% ahead of C (mean 0.6%) over 10 rows; is that A's program or its place?
 Every loop is timed and printed with its round, place and predecessor, and the SM clock,
 power and temperature that nvidia-smi reads just before it (outside the timed part); the
 means leave out the SETTLE rounds, as the benchmark does. Run at 9560b60 (rotated order,
@@ -24,6 +27,7 @@ import sys
 
 import jax
 
+import jax_hopper
 from jax_hopper import bench
 from jax_hopper._primitive import gemm
 
@@ -46,7 +50,10 @@ def run(shape, lineup):
     sets = bench.make_inputs((m, k), (k, n), k, bench.DTYPES["f16"], bench.input_set_count((m, k), (k, n), 2))
     dot = functools.partial(jax.lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())))
     names = ["A", "B", "C"] if lineup == "same" else ["A", "ours", "C"]
-    variants = {name: bench.JaxVariant(name, gemm if name == "ours" else dot) for name in names}
+    fns = {name: gemm if name == "ours" else dot for name in names}
+    if lineup == "path":
+        fns["A"] = functools.partial(jax_hopper.dot_general, dimension_numbers=(((1,), (0,)), ((), ())))
+    variants = {name: bench.JaxVariant(name, fn) for name, fn in fns.items()}
     kernel = {}
     for name, v in variants.items():
         v.kernel_ms(*sets[0])  # compile and warm up
@@ -82,7 +89,7 @@ def run(shape, lineup):
 def main(argv):
     shapes = [bench.parse_shape(s) for s in (argv or ["8192", "4096"])]
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  preheat {bench.SUSTAINED_PREHEAT}")
-    results = [run(shape, lineup) for shape in shapes for lineup in ("same", "mixed")]
+    results = [run(shape, lineup) for shape in shapes for lineup in ("same", "mixed", "path")]
     path = os.path.join(os.environ.get("OUT", "."), "probe_sustained_order.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
