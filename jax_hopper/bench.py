@@ -72,7 +72,8 @@ DTYPES = {"f16": jnp.float16, "bf16": jnp.bfloat16}
 # The shapes users run (issue 4's sweep): squares, LLM training shapes, decode shapes
 # (small M against 8192x8192 weights), odd sizes (8191: rows TMA cannot describe).
 SWEEP_SHAPES = ("1024,2048,4096,6144,8192,16384,4096x14336x4096,4096x4096x14336,16384x8192x8192,"
-                "8192x8192x1024,16x8192x8192,64x8192x8192,128x8192x8192,256x8192x8192,1000,3000x5000x7000,8191,2047,4095")
+                "8192x8192x1024,16x8192x8192,64x8192x8192,128x8192x8192,256x8192x8192,"
+                "1000,3000x5000x7000,8191,2047,4095")
 
 
 # Extra kernel kinds (--kernels) compiled for bf16 as well (cuda/gemm/instances.def).
@@ -225,9 +226,11 @@ def sustained_rounds(timers, progress=None, *, rounds=None, settle=None) -> dict
     order reversed. Within a pair every variant's places add up to the same number, and
     the loop before each one is once its predecessor and once its successor; over an even
     number of rounds a clock that drifts linearly in time therefore moves every variant's
-    mean (sustained_mean) by the same amount. The rotation alone left the dispatcher's XLA
-    path 0.45% ahead of jnp.dot, the same dot, on average over the sweep's large rows
-    (27c1162, with medians of 3 rounds)."""
+    mean (sustained_mean) by the same amount. What order can do, this undoes; it did not
+    undo the whole of the dispatcher's XLA path's lead over jnp.dot, the same dot, over
+    the sweep's large rows: 0.45% at 27c1162 (rotation, medians of 3 rounds), 0.6% at
+    997945a (this order), where that column led in every round, before jnp.dot or after it
+    (BENCHMARKS.md, session of 2026-12-03 08:02)."""
     names = list(timers)
     for _ in range(SUSTAINED_SETTLE_ROUNDS if settle is None else settle):
         for name in names:
@@ -849,7 +852,8 @@ def main(argv=None):
             meta = {"device": dev.device_kind, "jax": jax.__version__,
                     "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                     "protocol": {"kernel_samples": KERNEL_SAMPLES, "sustained_rounds": SUSTAINED_ROUNDS,
-                                 "sustained_preheat": SUSTAINED_PREHEAT, "sustained_order": "mirrored pairs, rotated", "sustained_statistic": "mean",
+                                 "sustained_preheat": SUSTAINED_PREHEAT, "sustained_order": "mirrored pairs, rotated",
+                                 "sustained_statistic": "mean",
                                  "sustained_settle_rounds": SUSTAINED_SETTLE_ROUNDS}}
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
