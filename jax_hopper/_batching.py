@@ -8,15 +8,18 @@ copy of B, where broadcasting A would copy A once per example). Otherwise the vm
 becomes the primitive's leading batch dimension (an unbatched operand is broadcast),
 merging with a batch dimension the primitive already had. (One exception: per-example
 weights against an x whose inner leading dim is sharded on explicit mesh axes go to
-XLA's dot, since folding that dim is not allowed.)
+XLA's dot, since folding that dim is not allowed.) A symbolic vmapped size (jax.export's
+shape polymorphism) takes the reference arithmetic, batched by jax.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.interpreters import batching
 
 from jax_hopper import _dispatch
@@ -24,6 +27,7 @@ from jax_hopper._fallback import (
     activation_grad_with_bias_grad_reference,
     dense_reference,
     dense_with_derivative_reference,
+    gemm_reference,
     row_sum,
 )
 from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p
@@ -31,6 +35,12 @@ from jax_hopper._primitive import SMALL_M_KERNEL, gemm_p, stages_of
 from jax_hopper._sharding import merge_drops_explicit_sharding
 
 NOT_MAPPED = None
+
+
+def _numeric(size) -> bool:
+    """A vmapped size that is a number. A symbolic one (jax.export's shape polymorphism)
+    can neither pick a kernel nor launch one: those products take the reference arithmetic."""
+    return isinstance(size, (int, np.integer))
 
 
 def _to_front(x, dim, size):
@@ -54,6 +64,10 @@ def _bind(a, b, params):
 def _batch_rule(args, dims, **params):
     a, b = args
     da, db = dims
+    if not _numeric(a.shape[da] if da is not NOT_MAPPED else b.shape[db]):
+        reference = functools.partial(gemm_reference, transpose_a=params["transpose_a"],
+                                      transpose_b=params["transpose_b"], out_dtype=params["out_dtype"])
+        return jax.vmap(reference, in_axes=(da, db))(a, b), 0
     ta, tb = params["transpose_a"], params["transpose_b"]
     if db is NOT_MAPPED and b.ndim == 2 and not ta:  # [v, ..., M, K] against [K, N]: a leading dim
         return _bind(jnp.moveaxis(a, da, 0), b, params), 0
@@ -116,7 +130,7 @@ def _dense_batch_rule(args, dims, *, activation, has_bias, has_residual):
     dx, dw, dbias, dres = dims
     params = dict(activation=activation, has_bias=has_bias, has_residual=has_residual)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
-    if dw is NOT_MAPPED and dbias is NOT_MAPPED:
+    if dw is NOT_MAPPED and dbias is NOT_MAPPED and _numeric(size):
         x = _to_front(x, dx, size)
         if has_residual:
             residual = _to_front(residual, dres, size)
@@ -137,7 +151,7 @@ def _dense_grad_batch_rule(args, dims, *, activation, bias_grad):
     g, w, z = args
     dg, dw, dz = dims
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
-    if dw is NOT_MAPPED:
+    if dw is NOT_MAPPED and _numeric(size):
         out, _ = dense_grad_p.bind(_to_front(g, dg, size), w, _to_front(z, dz, size), activation=activation,
                                    bias_grad=False)
         if not bias_grad:
@@ -159,7 +173,7 @@ def _dense_derivative_batch_rule(args, dims, *, activation, has_bias):
     x, w, bias = args
     dx, dw, db = dims
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
-    if dw is NOT_MAPPED and db is NOT_MAPPED:
+    if dw is NOT_MAPPED and db is NOT_MAPPED and _numeric(size):
         outs = dense_derivative_p.bind(_to_front(x, dx, size), w, bias, activation=activation, has_bias=has_bias)
         return outs, [0, 0]
 

@@ -89,8 +89,14 @@ def _is_array(x, abstract_ok=False) -> bool:
     return isinstance(x, (jax.Array, np.ndarray)) or (abstract_ok and isinstance(x, jax.ShapeDtypeStruct))
 
 
+def _constant_shapes(*xs) -> bool:
+    """Every dim a number. A symbolic dim (jax.export's shape polymorphism) is not: the
+    dispatcher's rules and the kernel's launch need sizes, so such products are jax's."""
+    return all(isinstance(d, (int, np.integer)) for x in xs for d in np.shape(x))
+
+
 def _kernel_eligible(lhs, rhs, out_dtype, precision, abstract_ok=False) -> bool:
-    if not (_is_array(lhs, abstract_ok) and _is_array(rhs, abstract_ok)):
+    if not (_is_array(lhs, abstract_ok) and _is_array(rhs, abstract_ok) and _constant_shapes(lhs, rhs)):
         return False
     same_kernel_type = lhs.dtype == rhs.dtype and lhs.dtype in KERNEL_DTYPES
     return same_kernel_type and out_dtype in (lhs.dtype, F32) and _plain_precision(precision)
@@ -306,11 +312,18 @@ def _promote(a, b, preferred_element_type):
     a weakly typed result (both operands weak: jax's function keeps that); a conversion
     that would change a value (jnp does not convert: lax.dot_general takes the operands
     as given, so int16 against bf16 keeps 257 where bf16 has 256); or a non-floating
-    preferred_element_type (lax converts mixed operands to it first). A weak operand
+    preferred_element_type (lax converts mixed operands to it first); a pair that jax does
+    not promote (f16 x float8, or any mixed pair under strict promotion: jnp runs them
+    as given when preferred_element_type says the result type) or whose promoted type is
+    not floating (int8 x uint16 is int32, which lax would not accumulate into an f16
+    preferred_element_type; no integer pair runs on the kernel anyway). A weak operand
     does not widen the other (bf16 x a weak f32 array is bf16), and is converted only
     where that is exact (a weak f32 array against bf16 is jnp's own product)."""
-    dtype, weak = jax.dtypes.result_type(a, b, return_weak_type_flag=True)
-    if weak:
+    try:
+        dtype, weak = jax.dtypes.result_type(a, b, return_weak_type_flag=True)
+    except jax.dtypes.TypePromotionError:
+        return None
+    if weak or not jnp.issubdtype(dtype, jnp.floating):
         return None
     if preferred_element_type is not None and not jnp.issubdtype(preferred_element_type, jnp.floating):
         return None
@@ -447,11 +460,11 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     residual = None if residual is None else jnp.asarray(residual, dtype)
     if _epilogue_changes_result_type(x, w, bias, residual):  # (explicit mesh axes) jnp's sum combines the shardings
         return dense_like_jnp(x, w, bias, residual, activation=activation)
+    if jnp.dtype(dtype) not in KERNEL_DTYPES or not _constant_shapes(x, w):
+        return dense_like_jnp(x, w, bias, residual, activation=activation)
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     problem = _dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)
-    use_kernel = (jnp.dtype(dtype) in KERNEL_DTYPES and min(m, n, k) > 0 and
-                  _dispatch.choose_dense(problem, activation)[0] == "kernel")
-    if not use_kernel:
+    if not (min(m, n, k) > 0 and _dispatch.choose_dense(problem, activation)[0] == "kernel"):
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     # Leading dims of x stay: the primitive folds them into M on each device, so a
     # sharded one (a sequence dim) keeps its sharding.
@@ -497,7 +510,8 @@ def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
         if v is not None and tuple(np.shape(v)) != shape:
             raise ValueError(f"jax_hopper.mlp: {name} must be {list(shape)}; got {described}")
     dtype, weak = _layer_type("mlp", operands, described)
-    if weak or jnp.dtype(dtype) not in KERNEL_DTYPES or 0 in np.shape(x) + np.shape(w2) + (np.shape(w1)[0],):
+    if (weak or jnp.dtype(dtype) not in KERNEL_DTYPES or not _constant_shapes(x, w1, w2) or
+            0 in np.shape(x) + np.shape(w2) + (np.shape(w1)[0],)):
         h = dense_like_jnp(x, w1, b1, None, activation=activation)
         return dense_like_jnp(h, w2, b2, residual, activation=None)
     x, w1, w2 = (jnp.asarray(v, dtype) for v in (x, w1, w2))

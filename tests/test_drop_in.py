@@ -117,16 +117,33 @@ def test_mixed_16_bit_and_integer_promotes_like_jnp_and_runs_the_kernel():
     (jnp.ones((2, 4), jnp.float16), jnp.full((4, 3), 100000, jnp.int32), jnp.float32),  # past f16's range
     (jnp.full((2, 4), 1.7, jnp.float16), jnp.full((4, 3), 1.7, jnp.float32), jnp.int32),  # lax truncates first
     (jnp.full((2, 4), 1.7, jnp.float16), jnp.full((4, 3), 1.7, jnp.float32), None),
-], ids=["bf16-int16", "f16-int32", "int-result", "f16-f32"])
+    (jnp.full((2, 4), 1.7, jnp.float16), jnp.full((4, 3), 1.5, jnp.float8_e4m3fn), jnp.float32),  # no promotion
+    (jnp.full((2, 4), -3, jnp.int8), jnp.full((4, 3), 300, jnp.uint16), jnp.float16),  # int32 pair, f16 result
+    (jnp.full((2, 4), -3, jnp.int16), jnp.full((4, 3), 300, jnp.uint16), jnp.bfloat16),
+], ids=["bf16-int16", "f16-int32", "int-result", "f16-f32", "f16-f8", "int8-uint16-f16", "int16-uint16-bf16"])
 def test_mixed_operands_are_multiplied_as_jnp_does(x, w, preferred):
     # jnp.dot / matmul hand mixed operands to lax.dot_general as they are. Converting
     # both to the promoted type first (int16 -> bf16, int32 -> f16) changed values, and
     # an integer result truncates the operands before the product in lax, not after.
+    # Pairs that jax does not promote (f16 x float8) are fine for jnp when the result
+    # type is given, and an integer pair widened to int32 could not be accumulated into
+    # an f16 result: both raised here.
     for ours_fn, ref_fn in [(jax_hopper.dot, jnp.dot), (jax_hopper.matmul, jnp.matmul)]:
         ours = jax.jit(lambda a, b: ours_fn(a, b, preferred_element_type=preferred))(x, w)
         ref = ref_fn(x, w, preferred_element_type=preferred)
         assert ours.dtype == ref.dtype
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+
+
+def test_strict_promotion_with_a_result_type_works_like_jnp():
+    x = jnp.full((2, 4), 1.7, jnp.float16)
+    w = jnp.full((4, 3), 1.3, jnp.float32)
+    with jax.numpy_dtype_promotion("strict"):
+        for ours_fn, ref_fn in [(jax_hopper.dot, jnp.dot), (jax_hopper.matmul, jnp.matmul)]:
+            ours = jax.jit(lambda a, b: ours_fn(a, b, preferred_element_type=jnp.float32))(x, w)
+            ref = ref_fn(x, w, preferred_element_type=jnp.float32)
+            assert ours.dtype == ref.dtype
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
 
 
 def test_accepts_out_sharding_keyword_like_lax():
