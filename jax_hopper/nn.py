@@ -32,14 +32,16 @@ def _dense_params(module, in_features):
     return kernel, bias
 
 
-def _fusable(residual, dtype):
+def _fusable(residual, dtype, out_shape):
     """(the residual to add in the kernel's epilogue, the one to add after it) for a layer
-    computing in `dtype`. `residual + layer(x)` in flax promotes: a residual wider than
-    the layer (an f32 stream around a bf16 layer) gives a wider result, so it is added
-    after, as jnp would; one whose promotion with `dtype` is `dtype` is fused."""
+    computing `out_shape` in `dtype`. `residual + layer(x)` in flax promotes and
+    broadcasts: a residual wider than the layer (an f32 stream around a bf16 layer) gives
+    a wider result, and one of another shape (a scalar, a row [N]) is broadcast, so those
+    are added after, as jnp would; one of the output's shape whose promotion with `dtype`
+    is `dtype` is fused."""
     if residual is None:
         return None, None
-    if jnp.promote_types(jnp.result_type(residual), dtype) == dtype:
+    if jnp.shape(residual) == tuple(out_shape) and jnp.promote_types(jnp.result_type(residual), dtype) == dtype:
         return jnp.asarray(residual).astype(dtype), None
     return None, residual
 
@@ -57,7 +59,7 @@ class Dense(nn.Module):
     def __call__(self, x, residual=None):
         kernel, bias = _dense_params(self, jnp.shape(x)[-1])
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        fused, residual = _fusable(residual, x.dtype)
+        fused, residual = _fusable(residual, x.dtype, jnp.shape(x)[:-1] + (self.features,))
         y = dense(x, kernel, bias, activation=self.activation, residual=fused)
         return y if residual is None else residual + y
 
@@ -94,6 +96,6 @@ class MLP(nn.Module):
         w1, b1 = _DenseParams(self.hidden_features, name="Dense_0", **layer)(d_in)
         w2, b2 = _DenseParams(out, name="Dense_1", **layer)(self.hidden_features)
         x, w1, b1, w2, b2 = nn.dtypes.promote_dtype(x, w1, b1, w2, b2, dtype=self.dtype)
-        fused, residual = _fusable(residual, x.dtype)
+        fused, residual = _fusable(residual, x.dtype, jnp.shape(x)[:-1] + (out,))
         y = mlp(x, w1, b1, w2, b2, activation=self.activation, residual=fused)
         return y if residual is None else residual + y

@@ -307,6 +307,14 @@ def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element
     return _path(plan, lhs, out, accumulation)[:2]
 
 
+def _converts_exactly(dtype, *xs) -> bool:
+    """Whether converting every x to dtype keeps every value: a "safe" cast (int8 -> f16
+    yes; int16 -> f16, f32 -> bf16, a weak f32 array -> bf16 no). jnp multiplies operands
+    in their own types, so only such a conversion may precede our kernel. An operand's own
+    dtype: jnp.result_type of a lone Python scalar is the default float."""
+    return all(np.can_cast(x.dtype if hasattr(x, "dtype") else jnp.result_type(x), dtype, "safe") for x in xs)
+
+
 def _promote(a, b, preferred_element_type):
     """Both operands in jnp's promoted type, or None where jnp's own function must run:
     a weakly typed result (both operands weak: jax's function keeps that); a conversion
@@ -327,9 +335,7 @@ def _promote(a, b, preferred_element_type):
         return None
     if preferred_element_type is not None and not jnp.issubdtype(preferred_element_type, jnp.floating):
         return None
-    # A "safe" cast keeps every value (int8 -> f16 yes; int16 -> f16, f32 -> bf16 no). An
-    # operand's own dtype: jnp.result_type of a lone weak array is the default float.
-    if not all(np.can_cast(x.dtype if hasattr(x, "dtype") else jnp.result_type(x), dtype, "safe") for x in (a, b)):
+    if not _converts_exactly(dtype, a, b):
         return None
     # The pair's type is strong here, so a weak operand of it becomes strong (no value changes).
     return tuple(x if isinstance(x, jax.Array) and x.dtype == dtype and not jax.typeof(x).weak_type
@@ -448,7 +454,10 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     if residual is not None and tuple(np.shape(residual)) != out_shape:
         raise ValueError(f"jax_hopper.dense: residual must be {list(out_shape)}; got {described}")
     dtype, weak = _layer_type("dense", operands, described)
-    if weak:  # every operand weakly typed: jnp's result is weak too, which only jnp's computation keeps
+    # Every operand weakly typed: jnp's result is weak too, which only jnp's computation
+    # keeps. x or w that the layer's type cannot hold exactly (int32 x against a bf16 bias;
+    # a weak f32 x): jnp multiplies them in their own type, then rounds.
+    if weak or not _converts_exactly(dtype, x, w):
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
@@ -510,8 +519,8 @@ def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
         if v is not None and tuple(np.shape(v)) != shape:
             raise ValueError(f"jax_hopper.mlp: {name} must be {list(shape)}; got {described}")
     dtype, weak = _layer_type("mlp", operands, described)
-    if (weak or jnp.dtype(dtype) not in KERNEL_DTYPES or not _constant_shapes(x, w1, w2) or
-            0 in np.shape(x) + np.shape(w2) + (np.shape(w1)[0],)):
+    if (weak or jnp.dtype(dtype) not in KERNEL_DTYPES or not _converts_exactly(dtype, x, w1, w2) or
+            not _constant_shapes(x, w1, w2) or 0 in np.shape(x) + np.shape(w2) + (np.shape(w1)[0],)):
         h = dense_like_jnp(x, w1, b1, None, activation=activation)
         return dense_like_jnp(h, w2, b2, residual, activation=None)
     x, w1, w2 = (jnp.asarray(v, dtype) for v in (x, w1, w2))

@@ -345,3 +345,26 @@ def test_saved_derivative_by_default_where_the_derivative_kind_runs():
     assert "jax_hopper_gemm_fused_derivative" not in grad_program("relu")
     small = (S((256, 128), jnp.bfloat16), S((128, 512), jnp.bfloat16), S((512,), jnp.bfloat16))
     assert "jax_hopper_gemm_fused_derivative" not in grad_program("gelu_exact", shapes=small)
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu_tanh"])
+def test_operands_the_layer_type_cannot_hold_are_multiplied_as_jnp_does(policy, activation):
+    """A 16-bit bias alone sets the layer's type here. jnp multiplies x and w in their own
+    types and rounds the sum once; converting them to bf16 first changed them (-299 is
+    not a bf16; nor is 1 + 2^-10, a weak f32 built from Python floats) and the answer."""
+    act = {None: lambda z: z, "relu": jax.nn.relu, "gelu_tanh": jax.nn.gelu}[activation]
+    x = jnp.array([[300, -299], [7, 5]], jnp.int32)
+    w = jnp.array([[1, 2], [1, 3]], jnp.int32)
+    b = jnp.full((2,), 0.5, jnp.bfloat16)
+
+    def weak_x(b):  # weakly typed f32 operands, as Python scalars make them inside jit
+        xx = jnp.concatenate([jnp.broadcast_to(1.0 + 2**-10, (1, 1)), jnp.broadcast_to(-1.0, (1, 1))], 1)
+        return xx, jnp.broadcast_to(1.0, (2, 1)), b[:1]
+
+    for operands in [(x, w, b), jax.jit(weak_x)(b)]:
+        with jax_hopper.dispatch(policy):
+            ours = jax.jit(lambda *a: jax_hopper.dense(*a, activation=activation))(*operands)
+        ref = jax.jit(lambda x, w, b: act(x @ w + b))(*operands)
+        assert ours.dtype == ref.dtype
+        np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(ref, np.float32))

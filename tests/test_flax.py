@@ -125,3 +125,30 @@ def test_a_wider_residual_is_not_rounded_to_the_layer_dtype(layer):
         assert got.dtype == expected.dtype == jnp.float32
         bound = 4 * 2.0**-8 * float(jnp.max(jnp.abs(layer_out)))
         assert float(jnp.max(jnp.abs(got - expected))) <= bound, policy
+
+
+@pytest.mark.parametrize("layer", ["Dense", "MLP"])
+def test_a_broadcast_residual_is_added_as_flax_adds_it(layer):
+    """flax's `residual + Dense(...)(x)` broadcasts a residual row [N] or a scalar; ours
+    must take them too, in the layer's own type as well as a wider one (the layer's type
+    went to the epilogue, which takes only [..., N], and raised)."""
+    import jax_hopper.nn as jhnn
+
+    kx, kr, kp = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (BATCH, D_IN), jnp.float32)
+    row = jax.random.normal(kr, (D_IN,), jnp.float32)
+    if layer == "Dense":
+        ours, plain = jhnn.Dense(D_IN, dtype=jnp.bfloat16), nn.Dense(D_IN, dtype=jnp.bfloat16)
+    else:
+        ours, plain = jhnn.MLP(D_HIDDEN, activation=None, dtype=jnp.bfloat16), TwoDense()
+    params = plain.init(kp, x)
+    layer_out = plain.apply(params, x).astype(jnp.float32)
+    bound = 4 * 2.0**-8 * float(jnp.max(jnp.abs(layer_out)))  # the layer's bf16 rounding, as above
+    for residual in (row.astype(jnp.bfloat16), row, 1.5):
+        expected = residual + plain.apply(params, x)
+        for policy in ("auto", "kernel"):
+            with jax_hopper.dispatch(policy):
+                got = jax.jit(lambda p, r: ours.apply(p, x, r))(params, residual)
+            assert got.shape == expected.shape and got.dtype == expected.dtype, (policy, residual)
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - expected.astype(jnp.float32))))
+            assert err <= bound + 2.0**-8 * float(jnp.max(jnp.abs(expected.astype(jnp.float32)))), (policy, err)

@@ -374,3 +374,18 @@ def test_bad_inputs_are_refused(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         jax_hopper.mlp(args.pop("x"), args.pop("w1"), args.pop("b1"), args.pop("w2"), args.pop("b2"), **args)
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+def test_operands_the_block_type_cannot_hold_are_multiplied_as_jnp_does(policy):
+    """Integer x and weights with a bf16 bias: jnp multiplies them as they are (-299 is
+    not a bf16); converting them to the block's type first changed the answer."""
+    x = jnp.array([[300, -299]], jnp.int32)
+    w1 = jnp.array([[1], [1]], jnp.int32)
+    b1 = jnp.full((1,), 0.5, jnp.bfloat16)
+    w2 = jnp.array([[3]], jnp.int32)
+    with jax_hopper.dispatch(policy):
+        ours = jax.jit(lambda *a: jax_hopper.mlp(*a, None, activation="relu"))(x, w1, b1, w2)
+    ref = jax.jit(lambda x, w1, b1, w2: jax.nn.relu(x @ w1 + b1) @ w2)(x, w1, b1, w2)
+    assert ours.dtype == ref.dtype
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(ref, np.float32))
