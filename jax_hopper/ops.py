@@ -405,7 +405,7 @@ def _check_layer_operands(op, operands, activation) -> str:
     for name, v in operands.items():
         if v is not None and not _is_array(v):
             raise TypeError(f"jax_hopper.{op}: {name} must be a jax or numpy array, got {type(v).__name__}")
-    if activation not in ACTIVATIONS:
+    if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ValueError(f"jax_hopper.{op}: activation must be None or one of "
                          f"{sorted(a for a in ACTIVATIONS if a)}, got {activation!r}")
     return ", ".join(f"{n} {_describe(v)}" for n, v in operands.items() if v is not None)

@@ -166,6 +166,7 @@ def test_vmap_over_weights_is_still_right():
 
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(activation="tanh"), ValueError, "activation"),
+    (dict(activation=["relu"]), ValueError, "activation must be None or one of"),  # was "unhashable type"
     (dict(bias=jnp.zeros((7,), jnp.float16)), ValueError, "bias must be"),
     (dict(residual=jnp.zeros((3, 5), jnp.float16)), ValueError, "residual must be"),
     (dict(bias=[1.0] * 8), TypeError, "bias must be a jax or numpy array"),
