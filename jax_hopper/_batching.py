@@ -19,7 +19,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.interpreters import batching
 
 from jax_hopper import _dispatch
@@ -35,12 +34,6 @@ from jax_hopper._primitive import SMALL_M_KERNEL, gemm_p, stages_of
 from jax_hopper._sharding import merge_drops_explicit_sharding
 
 NOT_MAPPED = None
-
-
-def _numeric(size) -> bool:
-    """A vmapped size that is a number. A symbolic one (jax.export's shape polymorphism)
-    can neither pick a kernel nor launch one: those products take the reference arithmetic."""
-    return isinstance(size, (int, np.integer))
 
 
 def _to_front(x, dim, size):
@@ -64,7 +57,7 @@ def _bind(a, b, params):
 def _batch_rule(args, dims, **params):
     a, b = args
     da, db = dims
-    if not _numeric(a.shape[da] if da is not NOT_MAPPED else b.shape[db]):
+    if not _dispatch.numeric(a.shape[da] if da is not NOT_MAPPED else b.shape[db]):
         reference = functools.partial(gemm_reference, transpose_a=params["transpose_a"],
                                       transpose_b=params["transpose_b"], out_dtype=params["out_dtype"])
         return jax.vmap(reference, in_axes=(da, db))(a, b), 0
@@ -130,7 +123,7 @@ def _dense_batch_rule(args, dims, *, activation, has_bias, has_residual):
     dx, dw, dbias, dres = dims
     params = dict(activation=activation, has_bias=has_bias, has_residual=has_residual)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
-    if dw is NOT_MAPPED and dbias is NOT_MAPPED and _numeric(size):
+    if dw is NOT_MAPPED and dbias is NOT_MAPPED and _dispatch.numeric(size):
         x = _to_front(x, dx, size)
         if has_residual:
             residual = _to_front(residual, dres, size)
@@ -151,7 +144,7 @@ def _dense_grad_batch_rule(args, dims, *, activation, bias_grad):
     g, w, z = args
     dg, dw, dz = dims
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
-    if dw is NOT_MAPPED and _numeric(size):
+    if dw is NOT_MAPPED and _dispatch.numeric(size):
         out, _ = dense_grad_p.bind(_to_front(g, dg, size), w, _to_front(z, dz, size), activation=activation,
                                    bias_grad=False)
         if not bias_grad:
@@ -173,7 +166,7 @@ def _dense_derivative_batch_rule(args, dims, *, activation, has_bias):
     x, w, bias = args
     dx, dw, db = dims
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
-    if dw is NOT_MAPPED and db is NOT_MAPPED and _numeric(size):
+    if dw is NOT_MAPPED and db is NOT_MAPPED and _dispatch.numeric(size):
         outs = dense_derivative_p.bind(_to_front(x, dx, size), w, bias, activation=activation, has_bias=has_bias)
         return outs, [0, 0]
 

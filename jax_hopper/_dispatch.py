@@ -456,6 +456,13 @@ def kernel_for(p: Problem) -> str:
     return DEFAULT_KERNEL
 
 
+def numeric(*dims) -> bool:
+    """Every dim a number. A symbolic one (jax.export's shape polymorphism) is not: the
+    rules below and the kernel's launch need sizes, so such products are jax's (or, under
+    vmap, the primitives' reference arithmetic)."""
+    return all(isinstance(d, (int, np.integer)) for d in dims)
+
+
 def problem_of(a_shape, b_shape, dtype, out_dtype, transpose_a: bool, transpose_b: bool) -> Problem:
     """The Problem of the primitive's operands ([B,] stored A, [B,] stored B; or A
     [..., M, K] against a 2-D B, its leading dims folded into M)."""

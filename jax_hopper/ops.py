@@ -90,9 +90,7 @@ def _is_array(x, abstract_ok=False) -> bool:
 
 
 def _constant_shapes(*xs) -> bool:
-    """Every dim a number. A symbolic dim (jax.export's shape polymorphism) is not: the
-    dispatcher's rules and the kernel's launch need sizes, so such products are jax's."""
-    return all(isinstance(d, (int, np.integer)) for x in xs for d in np.shape(x))
+    return _dispatch.numeric(*(d for x in xs for d in np.shape(x)))
 
 
 def _kernel_eligible(lhs, rhs, out_dtype, precision, abstract_ok=False) -> bool:

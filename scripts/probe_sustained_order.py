@@ -3,8 +3,8 @@
 An A/A check of `bench.sustained_rounds`: variants that run the same computation should
 read 1.000 against each other. In the sweep at ef85790 the dispatcher's XLA path (the
 same dot as jnp.dot) read 1.001-1.015x jnp.dot sustained in all 20 rows of at least
-4096^3's work where both ran XLA, with kernel times equal. Two line-ups, each for SETTLE rounds and then
-ROUNDS rounds in the benchmark's order (bench.sustained_rounds):
+4096^3's work where both ran XLA, with kernel times equal. Three line-ups, each for SETTLE rounds
+and then ROUNDS rounds in the benchmark's order (bench.sustained_rounds):
   same     three jnp.dot variants (separate jits of one function)
   mixed    jnp.dot "A", our kernel, jnp.dot "C": does the loop after ours differ?
   path     the sweep's line-up: jax_hopper.dot_general "A" (the dispatcher's XLA path, the same
@@ -34,6 +34,7 @@ from jax_hopper._primitive import gemm
 ROUNDS = 6  # three mirrored pairs
 SETTLE = 1  # leading rounds, logged but left out of the means (bench.SUSTAINED_SETTLE_ROUNDS' role)
 SMI_FIELDS = "clocks.sm,power.draw,temperature.gpu"
+NN = (((1,), (0,)), ((), ()))  # jnp.dot's layout
 
 
 def smi():
@@ -48,11 +49,11 @@ def smi():
 def run(shape, lineup):
     m, n, k = shape
     sets = bench.make_inputs((m, k), (k, n), k, bench.DTYPES["f16"], bench.input_set_count((m, k), (k, n), 2))
-    dot = functools.partial(jax.lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())))
+    dot = functools.partial(jax.lax.dot_general, dimension_numbers=NN)
     names = ["A", "B", "C"] if lineup == "same" else ["A", "ours", "C"]
     fns = {name: gemm if name == "ours" else dot for name in names}
     if lineup == "path":
-        fns["A"] = functools.partial(jax_hopper.dot_general, dimension_numbers=(((1,), (0,)), ((), ())))
+        fns["A"] = functools.partial(jax_hopper.dot_general, dimension_numbers=NN)
     variants = {name: bench.JaxVariant(name, fn) for name, fn in fns.items()}
     kernel = {}
     for name, v in variants.items():
