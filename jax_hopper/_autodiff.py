@@ -290,7 +290,15 @@ def _z_tangent(x, w, dx, dw, dbias, has_bias):
     return jnp.zeros(x.shape[:-1] + w.shape[1:], x.dtype) if dz is None else dz
 
 
-def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
+def _dense_jvp(primals, tangents, **params):
+    # The layer's output is named (a remat policy's handle, ops.PRODUCT_NAME) here, where it
+    # is differentiated, not in ops.dense: jax has no transpose rule for a name, and an
+    # undifferentiated affine layer must stay transposable (jax.linear_transpose).
+    y, dy = _dense_jvp_unnamed(primals, tangents, **params)
+    return checkpoint_name(y, PRODUCT_NAME), dy
+
+
+def _dense_jvp_unnamed(primals, tangents, *, activation, has_bias, has_residual):
     x, w, bias, residual = primals
     dx, dw, dbias, dresidual = tangents
     optional_bias = bias if has_bias else None
@@ -327,6 +335,32 @@ def _dense_jvp(primals, tangents, *, activation, has_bias, has_residual):
 
 
 ad.primitive_jvps[dense_p] = _dense_jvp
+
+
+def _dense_transpose(ct, x, w, bias, residual, *, activation, has_bias, has_residual):
+    """jax.linear_transpose through a layer without activation, x w + b + r, linear in the
+    one undefined operand (the others are constants, as in jnp's x @ w + b): the
+    transposes of the maps its JVP uses (_z_tangent's products and bias broadcast), so
+    they match jax.grad's. grad itself never needs this (it transposes the JVP's maps)."""
+    if activation is not None:
+        raise NotImplementedError(f"Transpose rule for 'jax_hopper_dense' with activation {activation!r}: "
+                                  "the layer is not linear")
+    if ad.is_undefined_primal(x) and ad.is_undefined_primal(w):
+        raise NotImplementedError("Transpose rule for 'jax_hopper_dense': x and w both linear inputs (bilinear)")
+    ct = ad.instantiate_zeros(ct)
+
+    def transpose(linear_map, operand):
+        (out,) = jax.linear_transpose(linear_map, jax.ShapeDtypeStruct(operand.aval.shape, operand.aval.dtype))(ct)
+        return out
+
+    return [transpose(lambda v: _product(v, w), x) if ad.is_undefined_primal(x) else None,
+            transpose(lambda v: _product(x, v), w) if ad.is_undefined_primal(w) else None,
+            transpose(lambda v: jnp.broadcast_to(v, ct.shape), bias) if has_bias and ad.is_undefined_primal(bias)
+            else None,
+            ct if has_residual and ad.is_undefined_primal(residual) else None]
+
+
+ad.primitive_transposes[dense_p] = _dense_transpose
 
 
 # ---- the backward form (differentiated again: second-order gradients of jax_hopper.mlp)

@@ -477,7 +477,7 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     # sharded one (a sequence dim) keeps its sharding.
     x2 = x.reshape(1, k) if x.ndim == 1 else x
     r2 = None if residual is None else residual.reshape(x2.shape[:-1] + (n,))
-    return checkpoint_name(fused_dense(x2, w, bias, r2, activation=activation).reshape(out_shape), PRODUCT_NAME)
+    return fused_dense(x2, w, bias, r2, activation=activation).reshape(out_shape)  # named where differentiated
 
 
 def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):

@@ -96,6 +96,41 @@ def test_nothing_to_fuse_is_our_plain_product_and_transposes():
             assert relative_error(got, exact) <= ERROR_FACTOR * relative_error(exact.astype(got.dtype), exact) + 1e-6
 
 
+@pytest.mark.parametrize("operand", ["x", "w", "bias", "residual"])
+def test_affine_layer_transposes_like_jnp(operand):
+    # x w + b + r is affine in each operand: jax.linear_transpose of jnp's layer transposes
+    # its linear part (the rest are constants), and so must the fused layer's (the name a
+    # remat policy uses is put on where the layer is differentiated, not here).
+    x, w, b, r = _operands((2, 65, 72), 136, jnp.float16)
+    ct = seed_normal(jax.random.key(5), (2, 65, 136), jnp.float16, 136)
+    operands = {"x": x, "w": w, "bias": b, "residual": r}
+
+    def layer(fn):
+        def f(v):
+            ops = dict(operands, **{operand: v})
+            return fn(ops["x"], ops["w"], ops["bias"], ops["residual"])
+        return f
+
+    ours = layer(lambda x, w, b, r: jax_hopper.dense(x, w, b, residual=r))
+    theirs = layer(lambda x, w, b, r: x @ w + b + r)
+    with jax_hopper.dispatch("kernel"):
+        assert "jax_hopper_dense" in str(jax.make_jaxpr(ours)(operands[operand]))  # the fused layer, not jnp's
+        (got,) = jax.jit(jax.linear_transpose(ours, operands[operand]))(ct)
+    (expected,) = jax.linear_transpose(theirs, operands[operand])(ct)
+    assert got.shape == expected.shape and got.dtype == expected.dtype == jnp.float16
+    if operand in ("bias", "residual"):  # no product: jnp's sum (bias) or the cotangent itself
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+        return
+    f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
+    exact = (jnp.einsum("bmn,kn->bmk", f32(ct), f32(w), precision="highest") if operand == "x"
+             else jnp.einsum("bmk,bmn->kn", f32(x), f32(ct), precision="highest"))
+    # One product, one rounding: the rule of the value tests, against the f32 product.
+    assert relative_error(got, exact) <= ERROR_FACTOR * relative_error(exact.astype(got.dtype), exact) + 1e-6
+    with jax_hopper.dispatch("kernel"):
+        with pytest.raises(NotImplementedError, match="not linear"):
+            jax.linear_transpose(lambda v: jax_hopper.dense(v, w, b, activation="relu"), x)(ct)
+
+
 def test_auto_policy_on_aligned_shapes_is_xla():
     x, w, b, r = _operands((256, 128), 512, jnp.float16)
     with jax_hopper.dispatch("auto"):
