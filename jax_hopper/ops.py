@@ -124,11 +124,12 @@ def _explicit_spec(x):
 
 
 def _folding_drops_explicit_sharding(lhs, rhs, dimension_numbers, keeps_lhs_free_dims=False) -> bool:
-    """The kernel sees each operand as [B,] rows x columns: its batch, free and
-    contracting dims each fold into one (except the free dims of an lhs [..., M, K]
-    against a rank-2 rhs, which the primitive keeps). A dim sharded on explicit mesh
-    axes that is not the outermost of its folded group cannot keep its sharding through
-    that reshape (jax refuses it), so jax computes such a product."""
+    """The kernel sees each operand as [B...,] rows x columns: its free and contracting
+    dims each fold into one (except the free dims of an lhs [..., M, K] against a
+    rank-2 rhs, which the primitive keeps, and the batch dims, which it keeps too). A dim
+    sharded on explicit mesh axes that is not the outermost of its folded group cannot
+    keep its sharding through that reshape (jax refuses it), so jax computes such a
+    product."""
     (lc, rc), (lb, rb) = dimension_numbers
     for x, contract, batch, keeps_free in ((lhs, tuple(lc), tuple(lb), keeps_lhs_free_dims),
                                            (rhs, tuple(rc), tuple(rb), False)):
@@ -136,7 +137,7 @@ def _folding_drops_explicit_sharding(lhs, rhs, dimension_numbers, keeps_lhs_free
         if spec is None:
             continue
         free = () if keeps_free else tuple(d for d in range(np.ndim(x)) if d not in contract and d not in batch)
-        for group in (batch, free, tuple(sorted(contract))):
+        for group in (free, tuple(sorted(contract))):
             if any(spec[d] is not None for d in group[1:]):
                 return True
     return False
@@ -313,6 +314,13 @@ def _converts_exactly(dtype, *xs) -> bool:
     return all(np.can_cast(x.dtype if hasattr(x, "dtype") else jnp.result_type(x), dtype, "safe") for x in xs)
 
 
+def _multiplied_as_floats(x, w) -> bool:
+    """Whether jnp multiplies x and w in a floating type. An integer pair is multiplied as
+    integers (wrapping) and only then promoted by a floating bias or residual, so a layer
+    of the promoted type must not convert them first."""
+    return bool(jnp.issubdtype(jnp.result_type(x, w), jnp.floating))
+
+
 def _promote(a, b, preferred_element_type):
     """Both operands in jnp's promoted type, or None where jnp's own function must run:
     a weakly typed result (both operands weak: jax's function keeps that); a conversion
@@ -455,7 +463,7 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     # Every operand weakly typed: jnp's result is weak too, which only jnp's computation
     # keeps. x or w that the layer's type cannot hold exactly (int32 x against a bf16 bias;
     # a weak f32 x): jnp multiplies them in their own type, then rounds.
-    if weak or not _converts_exactly(dtype, x, w):
+    if weak or not _converts_exactly(dtype, x, w) or not _multiplied_as_floats(x, w):
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
@@ -518,7 +526,8 @@ def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
             raise ValueError(f"jax_hopper.mlp: {name} must be {list(shape)}; got {described}")
     dtype, weak = _layer_type("mlp", operands, described)
     if (weak or jnp.dtype(dtype) not in KERNEL_DTYPES or not _converts_exactly(dtype, x, w1, w2) or
-            not _constant_shapes(x, w1, w2) or 0 in np.shape(x) + np.shape(w2) + (np.shape(w1)[0],)):
+            not _multiplied_as_floats(x, w1) or not _constant_shapes(x, w1, w2) or
+            0 in np.shape(x) + np.shape(w2) + (np.shape(w1)[0],)):
         h = dense_like_jnp(x, w1, b1, None, activation=activation)
         return dense_like_jnp(h, w2, b2, residual, activation=None)
     x, w1, w2 = (jnp.asarray(v, dtype) for v in (x, w1, w2))

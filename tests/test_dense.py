@@ -398,7 +398,10 @@ def test_operands_the_layer_type_cannot_hold_are_multiplied_as_jnp_does(policy, 
         xx = jnp.concatenate([jnp.broadcast_to(1.0 + 2**-10, (1, 1)), jnp.broadcast_to(-1.0, (1, 1))], 1)
         return xx, jnp.broadcast_to(1.0, (2, 1)), b[:1]
 
-    for operands in [(x, w, b), jax.jit(weak_x)(b)]:
+    # int8 converts to f16 exactly, but jnp multiplies an int8 pair as int8 (20 * 20 * 8
+    # wraps to -128) before the f16 bias promotes it: converting first gave 3200.
+    int8_pair = (jnp.full((2, 8), 20, jnp.int8), jnp.full((8, 2), 20, jnp.int8), jnp.zeros((2,), jnp.float16))
+    for operands in [(x, w, b), jax.jit(weak_x)(b), int8_pair]:
         with jax_hopper.dispatch(policy):
             ours = jax.jit(lambda *a: jax_hopper.dense(*a, activation=activation))(*operands)
         ref = jax.jit(lambda x, w, b: act(x @ w + b))(*operands)

@@ -384,8 +384,13 @@ def test_operands_the_block_type_cannot_hold_are_multiplied_as_jnp_does(policy):
     w1 = jnp.array([[1], [1]], jnp.int32)
     b1 = jnp.full((1,), 0.5, jnp.bfloat16)
     w2 = jnp.array([[3]], jnp.int32)
-    with jax_hopper.dispatch(policy):
-        ours = jax.jit(lambda *a: jax_hopper.mlp(*a, None, activation="relu"))(x, w1, b1, w2)
-    ref = jax.jit(lambda x, w1, b1, w2: jax.nn.relu(x @ w1 + b1) @ w2)(x, w1, b1, w2)
-    assert ours.dtype == ref.dtype
-    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(ref, np.float32))
+    # An int8 pair converts to f16 exactly, but jnp multiplies it as int8 (wrapping to -128)
+    # before the f16 bias promotes it.
+    int8_block = (jnp.full((2, 8), 20, jnp.int8), jnp.full((8, 4), 20, jnp.int8), jnp.zeros((4,), jnp.float16),
+                  jnp.ones((4, 4), jnp.float16))
+    for operands in [(x, w1, b1, w2), int8_block]:
+        with jax_hopper.dispatch(policy):
+            ours = jax.jit(lambda *a: jax_hopper.mlp(*a, None, activation="relu"))(*operands)
+        ref = jax.jit(lambda x, w1, b1, w2: jax.nn.relu(x @ w1 + b1) @ w2)(*operands)
+        assert ours.dtype == ref.dtype
+        np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(ref, np.float32))
