@@ -5,8 +5,9 @@ Where the memory layout allows, a vmapped operand against an unbatched one joins
 leading dims (A stored [..., M, K] against a rank-2 B: folded into M on each device) or
 is folded into N (B stored [N, K]: one plain GEMM, no copy; B stored [K, N]: after one
 copy of B, where broadcasting A would copy A once per example). Otherwise the vmapped axis
-becomes the primitive's leading batch dimension (an unbatched operand is broadcast),
-merging with a batch dimension the primitive already had. (One exception: per-example
+becomes a leading batch dimension of the primitive (an unbatched operand is broadcast),
+next to the batch dims it already had (kept, not merged: a sharded one keeps its
+sharding). (One exception: per-example
 weights against an x whose inner leading dim is sharded on explicit mesh axes go to
 XLA's dot, since folding that dim is not allowed.) A symbolic vmapped size (jax.export's
 shape polymorphism) takes the reference arithmetic, batched by jax.
@@ -76,15 +77,17 @@ def _batch_rule(args, dims, **params):
             out = _bind(a, b.reshape(k, v * n), params)
             return out.reshape(out.shape[:-1] + (v, n)), out.ndim - 1
         db = 1
-    if db is NOT_MAPPED and a.ndim == 4 and b.ndim == 3 and not ta:  # [v, B, M, K] against [B, K, N]
-        a = jnp.moveaxis(a, da, 1)  # [B, v, M, K]: v folded into M (a copy of A, not of B per example)
-        if not merge_drops_explicit_sharding(jax.typeof(a), 1, 2):
-            nb, v, m, k = a.shape
-            out = _bind(a.reshape(nb, v * m, k), b, params)
-            return out.reshape(nb, v, m, out.shape[-1]), 1
-        da = 1
-    if da is NOT_MAPPED and a.ndim == 3 and b.ndim == 4:  # [B, M, K] against [v, B, K, N] (or [v, B, N, K])
-        first = 1 if tb else 2  # v folded into N: [B, v, N, K] or [B, K, v, N]
+    nb = b.ndim - 2  # the primitive's batch dims, where both operands have them
+    if db is NOT_MAPPED and b.ndim >= 3 and a.ndim == b.ndim + 1 and not ta:  # [v, B..., M, K] against [B..., K, N]
+        a = jnp.moveaxis(a, da, nb)  # [B..., v, M, K]: v folded into M (a copy of A, not of B per example)
+        if not merge_drops_explicit_sharding(jax.typeof(a), nb, nb + 1):
+            v, m, k = a.shape[nb:]
+            out = _bind(a.reshape(a.shape[:nb] + (v * m, k)), b, params)
+            return out.reshape(a.shape[:nb] + (v, m, out.shape[-1])), nb
+        da = nb
+    nb = a.ndim - 2
+    if da is NOT_MAPPED and a.ndim >= 3 and b.ndim == a.ndim + 1:  # [B..., M, K] against [v, B..., K, N] (or N, K)
+        first = nb if tb else nb + 1  # v folded into N: [B..., v, N, K] or [B..., K, v, N]
         b = jnp.moveaxis(b, db, first)
         if not merge_drops_explicit_sharding(jax.typeof(b), first, first + 1):
             v, n = b.shape[first:first + 2]
@@ -104,12 +107,7 @@ def _batch_rule(args, dims, **params):
             return jax.lax.dot_general(a, b, dn, preferred_element_type=params["out_dtype"]), 0
         out = _bind(a.reshape((size, math.prod(a.shape[1:-1]), a.shape[-1])), b, params)
         return out.reshape(a.shape[:-1] + out.shape[-1:]), 0
-    if a.ndim == 3:
-        return _bind(a, b, params), 0
-    # The primitive was batched already: merge the vmapped axis with its batch axis.
-    v, nb = a.shape[:2]
-    out = _bind(a.reshape((v * nb,) + a.shape[2:]), b.reshape((v * nb,) + b.shape[2:]), params)
-    return out.reshape((v, nb) + out.shape[1:]), 0
+    return _bind(a, b, params), 0  # the vmapped axis leads the primitive's batch dims (if any)
 
 
 batching.primitive_batchers[gemm_p] = _batch_rule

@@ -1,8 +1,10 @@
-"""How a dot_general maps onto the kernel's batched [B,] M x K times K x N product.
+"""How a dot_general maps onto the kernel's batched [B...,] M x K times K x N product.
 
 The kernel reads A as [M, K] or [K, M] and B as [K, N] or [N, K] in place, so any
 dimension numbers whose batch dims lead (in order) and whose free and contracting dims
-each form one contiguous block reshape for free into one of those four layouts. Other
+each form one contiguous block reshape for free into one of those four layouts. The
+batch dims stay as they are (the FFI handler folds them into one on each device), so a
+sharded inner one -- attention's heads in [batch, heads, S, D] -- keeps its sharding. Other
 dimension orders are first transposed into the [batch, free, contract] form (a copy
 XLA makes; rare in practice). An lhs [..., M, K] with no batch dims (jnp's N-D x @ W)
 keeps its free dims: the primitive folds them into M on each device, so a sharded
@@ -18,10 +20,10 @@ import math
 @dataclasses.dataclass(frozen=True)
 class GemmPlan:
     lhs_perm: tuple[int, ...] | None  # transpose before the reshape, None if not needed
-    lhs_shape: tuple[int, ...]  # ([B,] M, K) or ([B,] K, M), or (free dims..., K)
+    lhs_shape: tuple[int, ...]  # ([B...,] M, K) or ([B...,] K, M), or (free dims..., K)
     transpose_a: bool
     rhs_perm: tuple[int, ...] | None
-    rhs_shape: tuple[int, ...]  # ([B,] K, N) or ([B,] N, K)
+    rhs_shape: tuple[int, ...]  # ([B...,] K, N) or ([B...,] N, K)
     transpose_b: bool
     out_shape: tuple[int, ...]  # dot_general's: batch + lhs free + rhs free
 
@@ -45,7 +47,7 @@ def plan_dot_general(lhs_shape, rhs_shape, dimension_numbers) -> GemmPlan:
     m = math.prod(lhs_shape[d] for d in lhs_free)
     n = math.prod(rhs_shape[d] for d in rhs_free)
     k = math.prod(lhs_shape[d] for d in lc)
-    lead = (math.prod(batch),) if nb else ()
+    lead = batch
 
     lhs_rest = list(range(nb, len(lhs_shape)))
     lhs_perm, transpose_a = None, False

@@ -464,9 +464,10 @@ def numeric(*dims) -> bool:
 
 
 def problem_of(a_shape, b_shape, dtype, out_dtype, transpose_a: bool, transpose_b: bool) -> Problem:
-    """The Problem of the primitive's operands ([B,] stored A, [B,] stored B; or A
-    [..., M, K] against a 2-D B, its leading dims folded into M)."""
-    batch = a_shape[0] if len(a_shape) == 3 and len(b_shape) == 3 else 0
+    """The Problem of the primitive's operands ([B...,] stored A, [B...,] stored B, the
+    batch dims counted as one; or A [..., M, K] against a 2-D B, its leading dims folded
+    into M)."""
+    batch = math.prod(a_shape[:-2]) if len(a_shape) == len(b_shape) >= 3 else 0
     a2, b2 = a_shape[-2:], b_shape[-2:]
     folded = math.prod(a_shape[:-2]) if len(b_shape) == 2 else 1
     m = (a2[1] if transpose_a else a2[0]) * folded

@@ -22,7 +22,7 @@ ACTIVATION_FNS = {
 
 
 def gemm_reference(a, b, *, transpose_a: bool, transpose_b: bool, out_dtype, out_sharding=None):
-    """C = op(A) @ op(B) per batch entry (leading dim when both are rank 3), or for A
+    """C = op(A) @ op(B) per batch entry (the leading dims when both have one rank), or for A
     [..., M, K] against a rank-2 B, like jnp.dot; out_sharding as lax.dot_general's (a
     derivative passes its operand's, as jax's own transpose rule does: under explicit
     mesh axes a contraction over a sharded dimension needs it)."""

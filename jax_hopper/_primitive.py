@@ -2,9 +2,10 @@
 
 `gemm_p` computes C = op(A) @ op(B) for f16/bf16 operands of one dtype, with A stored
 [M, K] (or [K, M] with transpose_a) and B stored [K, N] (or [N, K] with transpose_b),
-optionally with one leading batch dimension on both (rank 3), or with leading dims on
-A alone (A [..., M, K] against a rank-2 B: jnp's x @ W, folded into M on each device,
-so a sharded leading dim keeps its sharding). C is [(batch | ...,) M, N] in
+optionally with the same leading batch dims on both (each its own dim, so a sharded
+one -- attention's heads -- keeps its sharding; the FFI handler folds them into one), or
+with leading dims on A alone (A [..., M, K] against a rank-2 B: jnp's x @ W, folded into
+M on each device, so a sharded leading dim keeps its sharding). C is [(batch | ...,) M, N] in
 `out_dtype`: the operands' type, or f32 straight from the f32 accumulator. On CUDA it
 lowers to the `jax_hopper_gemm` FFI custom call; everywhere else to XLA's dot (see
 _fallback.py). Autodiff and vmap rules live in _autodiff.py and _batching.py.
@@ -80,9 +81,9 @@ def _mnk(a_shape, b_shape, transpose_a, transpose_b):
 
 def _abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
     del kernel, stages
-    batched = a.ndim == b.ndim == 3 and a.shape[0] == b.shape[0]
+    batched = a.ndim == b.ndim >= 3 and a.shape[:-2] == b.shape[:-2]
     if not (batched or (b.ndim == 2 and (a.ndim == 2 or (a.ndim > 2 and not transpose_a)))):
-        raise ValueError(f"jax_hopper_gemm takes two 2-D operands, two 3-D operands with equal batch, or A "
+        raise ValueError(f"jax_hopper_gemm takes two 2-D operands, two operands with the same batch dims, or A "
                          f"[..., M, K] against a 2-D B; got {a.shape} and {b.shape} (transpose_a={transpose_a})")
     if a.dtype != b.dtype or a.dtype not in KERNEL_DTYPES:
         raise TypeError(f"jax_hopper_gemm takes two f16 or two bf16 operands, got {a.dtype} and {b.dtype}")

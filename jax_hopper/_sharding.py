@@ -7,6 +7,8 @@ callbacks) on Auto mesh axes, and on Explicit axes, whose operand types name the
 shardings, through a shard_map planned while lowering (_shard_mapped says why):
 
   batch / M / N sharded      -> each device multiplies its shards; no communication
+  (several batch dims each keep their own sharding -- the heads of multi-head
+  attention included -- and the FFI handler folds them into one on each device)
   (x [..., M, K] @ W: each leading dim of x keeps its own sharding -- a sharded
   sequence dim included -- and the FFI handler folds them into M on each device)
   K (contracting) sharded    -> each device multiplies its K slice into f32 partial
@@ -36,12 +38,12 @@ _F32 = jnp.dtype(jnp.float32)
 
 
 def _roles(a_ndim, b_ndim, transpose_a, transpose_b):
-    """(a's leading dims that fold into M, positions of (batch, m, k) in a, of (batch, k,
-    n) in b). batch is None unless both operands are rank 3; leading dims exist where a
-    rank > 2 `a` meets a rank-2 `b` (x [..., M, K] @ W)."""
-    batched = a_ndim == 3 and b_ndim == 3
+    """(a's leading dims that fold into M, positions of (batch dims, m, k) in a, of (batch
+    dims, k, n) in b). The batch dims, the same in both, are those before the matrices
+    where both operands have rank >= 3 and equal ranks (none otherwise); leading dims
+    exist where a rank > 2 `a` meets a rank-2 `b` (x [..., M, K] @ W)."""
     lead = tuple(range(a_ndim - 2)) if b_ndim == 2 else ()
-    batch = 0 if batched else None
+    batch = tuple(range(a_ndim - 2)) if a_ndim == b_ndim >= 3 else ()
     ra, ca, rb, cb = a_ndim - 2, a_ndim - 1, b_ndim - 2, b_ndim - 1
     a = (batch, ca, ra) if transpose_a else (batch, ra, ca)
     b = (batch, cb, rb) if transpose_b else (batch, rb, cb)
@@ -49,7 +51,7 @@ def _roles(a_ndim, b_ndim, transpose_a, transpose_b):
 
 
 class Plan(NamedTuple):
-    """Mesh axes per role; `lead` has one entry per leading dim of a."""
+    """Mesh axes per role; `batch` has one entry per batch dim, `lead` one per leading dim of a."""
 
     batch: tuple
     lead: tuple
@@ -72,7 +74,7 @@ def _spec_of(sharding, ndim):
 def _plan(a_sharding, b_sharding, a_shape, b_ndim, transpose_a, transpose_b) -> Plan:
     """Mesh axes for each role, each mesh axis used by at most one role."""
     ndim = len(a_shape)
-    lead_dims, (ab, am, ak), (bb, bk, bn) = _roles(ndim, b_ndim, transpose_a, transpose_b)
+    lead_dims, (ab, am, ak), (_, bk, bn) = _roles(ndim, b_ndim, transpose_a, transpose_b)
     sa, sb = _spec_of(a_sharding, ndim), _spec_of(b_sharding, b_ndim)
     used: set[str] = set()
 
@@ -83,7 +85,7 @@ def _plan(a_sharding, b_sharding, a_shape, b_ndim, transpose_a, transpose_b) -> 
                 return axes
         return ()
 
-    batch = take(sa[ab], sb[bb]) if ab is not None else ()
+    batch = tuple(take(sa[d], sb[d]) for d in ab)
     lead = tuple(take(sa[d]) for d in lead_dims)
     m = take(sa[am])
     n = take(sb[bn])
@@ -117,15 +119,15 @@ def _pspec(dims):
 
 
 def _shardings(mesh, a_ndim, b_ndim, transpose_a, transpose_b, plan: Plan):
-    lead_dims, (ab, am, ak), (bb, bk, bn) = _roles(a_ndim, b_ndim, transpose_a, transpose_b)
+    lead_dims, (ab, am, ak), (_, bk, bn) = _roles(a_ndim, b_ndim, transpose_a, transpose_b)
     a_dims, b_dims = [()] * a_ndim, [()] * b_ndim
-    if ab is not None:
-        a_dims[ab] = b_dims[bb] = plan.batch
+    for d, axes in zip(ab, plan.batch):
+        a_dims[d] = b_dims[d] = axes
     for d, axes in zip(lead_dims, plan.lead):
         a_dims[d] = axes
     a_dims[am], a_dims[ak] = plan.m, plan.k
     b_dims[bk], b_dims[bn] = plan.k, plan.n
-    out_dims = ([plan.batch] if ab is not None else []) + list(plan.lead) + [plan.m, plan.n]
+    out_dims = list(plan.batch) + list(plan.lead) + [plan.m, plan.n]
     return tuple(NamedSharding(mesh, _pspec(d)) for d in (a_dims, b_dims, out_dims))
 
 
@@ -149,7 +151,7 @@ def output_sharding(a, b, transpose_a, transpose_b):
         return None  # no sharding in the type system: the result's aval carries none either
     lead_dims, (ab, am, _), (_, _, bn) = _roles(a.ndim, b.ndim, transpose_a, transpose_b)
     spec_a, spec_b = explicit_spec(a), explicit_spec(b)
-    entries = ((spec_a[ab],) if ab is not None else ()) + tuple(spec_a[d] for d in lead_dims) + (spec_a[am], spec_b[bn])
+    entries = tuple(spec_a[d] for d in ab + lead_dims) + (spec_a[am], spec_b[bn])
     return NamedSharding(mesh, PartitionSpec(*entries))
 
 
@@ -244,10 +246,11 @@ def _explicit(local_impl):
 
 
 def _lead_factors(a_ndim, b_ndim):
-    """Shardy factor names of (a's and the result's leading dims, b's): the batch dim
+    """Shardy factor names of (a's and the result's leading dims, b's): the batch dims
     shared by both, or a's leading dims folding into M."""
-    if a_ndim == 3 and b_ndim == 3:
-        return "b ", "b "
+    if a_ndim == b_ndim >= 3:
+        batch = "".join(f"b{i} " for i in range(a_ndim - 2))
+        return batch, batch
     return "".join(f"l{i} " for i in range(a_ndim - 2)), ""
 
 

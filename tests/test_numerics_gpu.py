@@ -291,6 +291,31 @@ def test_batched_and_f32_output_match_f32_reference(hopper, dtype, out_dtype, k)
         assert err <= max(ERROR_FACTOR * err_jnp, 1e-5), f"{err:.3e} vs {err_jnp:.3e}"
 
 
+@pytest.mark.parametrize("batch", [(2, 3), (2, 1, 3)], ids=["b2x3", "b2x1x3"])
+@pytest.mark.parametrize("transpose_b", [False, True], ids=["nn", "nt"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
+def test_several_batch_dims_fold_in_the_handler(hopper, dtype, transpose_b, batch):
+    """Attention-like products with several batch dims ([batch, heads, S, D]): the custom
+    call gets them as they are (each keeps its own sharding) and the FFI handler folds
+    them into one. M = 77 and N = 136 leave partial tiles per batch entry, K = 70 is
+    padded on the way in. Same error rule as the 2-D products."""
+    m, n, k = 77, 136, 70
+    nb = len(batch)
+    ka, kb = jax.random.split(jax.random.key(13))
+    a = seed_normal(ka, batch + (m, k), dtype, k)
+    b = seed_normal(kb, batch + ((n, k) if transpose_b else (k, n)), dtype, k)
+    dims = (((nb + 1,), (nb + 1 if transpose_b else nb,)), (tuple(range(nb)), tuple(range(nb))))
+    f = lambda x, y: jax_hopper.dot_general(x, y, dims)  # noqa: E731
+    out, _ = run_into_poison(f, batch + (m, n), dtype, a, b)
+    assert not bool(jnp.isnan(out).any())
+    ref = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims, precision="highest")
+    err, err_jnp = relative_error(out, ref), relative_error(jax.lax.dot_general(a, b, dims), ref)
+    assert err <= ERROR_FACTOR * err_jnp, f"{err:.3e} vs {err_jnp:.3e}"
+    # vmap over such a product adds one more batch dim in front, not a fold.
+    outs = jax.jit(jax.vmap(f))(jnp.stack([a, a]), jnp.stack([b, b]))
+    assert all(relative_error(o, ref) <= ERROR_FACTOR * err_jnp for o in outs)
+
+
 @pytest.mark.parametrize("transpose_b", [False, True], ids=["nn", "nt"])
 @pytest.mark.parametrize("out_dtype", [None, jnp.float32], ids=["out16", "out32"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])

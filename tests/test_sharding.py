@@ -57,6 +57,15 @@ PATTERNS = {  # name: (a shape, b shape, dimension numbers, a spec, b spec)
     "sequence_sharded_x_at_W": ((B, M, K), (K, N), (((2,), (0,)), ((), ())), P(None, "x", None), P()),
     "sequence_and_column": ((B, M, K), (K, N), (((2,), (0,)), ((), ())), P(None, "x", None), P(None, "y")),
     "sequence_and_K": ((B, M, K), (K, N), (((2,), (0,)), ((), ())), P(None, "x", "y"), P("y", None)),
+    # Attention scores q k^T over [batch, heads, S, D] with the heads sharded (tensor
+    # parallel): the batch dims used to be folded into one before the primitive, and XLA
+    # all-gathered q and k and replicated the scores.
+    "heads_sharded_attention": ((2, B, M, K), (2, B, N, K), (((3,), (3,)), ((0, 1), (0, 1))), P(None, "x"),
+                                P(None, "x")),
+    "two_batch_dims_sharded": ((2, B, M, K), (2, B, K, N), (((3,), (2,)), ((0, 1), (0, 1))), P("y", "x"),
+                               P("y", "x")),
+    "heads_sharded_batch_dims_inside": ((B, M, 2, K), (B, K, 2, N), (((3,), (1,)), ((0, 2), (0, 2))),
+                                        P("x"), P("x")),
 }
 
 
@@ -277,6 +286,16 @@ def test_explicit_axis_types_behave_like_jnp():
         out = jax.jit(lambda x, y: jax_hopper.matmul(x, y, out_sharding=P()))(a_k, b_k)
         want = jax.jit(lambda x, y: jnp.matmul(x, y, out_sharding=P()))(a_k, b_k)
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+        # Attention scores with the heads sharded: each batch dim keeps its sharding in the
+        # type (jax refused the fold of several batch dims into one, so jax ran these).
+        q = jax.device_put(_random(jax.random.key(8), (2, B, M, K)), NamedSharding(mm, P(None, "x")))
+        kt = jax.device_put(_random(jax.random.key(9), (2, B, K, N)), NamedSharding(mm, P(None, "x")))
+        f = jax.jit(jax_hopper.matmul)
+        ours, ref = f(q, kt), jax.jit(jnp.matmul)(q, kt)
+        assert "jax_hopper_gemm" in str(jax.make_jaxpr(jax_hopper.matmul)(q, kt))  # ours, not jax's
+        assert ours.sharding.is_equivalent_to(ref.sharding, 4), (ours.sharding, ref.sharding)
+        assert _collectives(f.lower(q, kt).compile().as_text())["all-gather"] == 0
+        assert_same_product(ours, ref, q, kt, (((3,), (2,)), ((0, 1), (0, 1))))
 
 
 DENSE_PATTERNS = {  # name: (x spec, w spec) for x [M, K] @ w [K, N]

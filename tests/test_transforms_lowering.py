@@ -113,6 +113,23 @@ def test_vmap_against_a_shared_operand_never_copies_it_per_example(case):
     assert not any(tuple(int(d) for d in b.split("x")) == (v,) + shared for b in broadcast), broadcast
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["dot_general", "vmap"])
+def test_several_batch_dims_reach_the_call_as_they_are(nested):
+    """[batch, heads, S, D] products keep each batch dim (the FFI handler folds them): a
+    fold before the call would merge a sharded heads dim into the batch dim before it,
+    which XLA can only do by gathering q and k. vmap over a batched product adds a dim."""
+    dn = (((3,), (3,)), ((0, 1), (0, 1)))
+    q, k = S((2, B, M, K), F16), S((2, B, N, K), F16)
+    f = lambda q, k: jax_hopper.dot_general(q, k, dn)  # noqa: E731
+    if nested:
+        f = jax.vmap(lambda q, k: jax_hopper.dot_general(q, k, (((2,), (2,)), ((0,), (0,)))))
+    text = cuda_text(f, q, k)
+    assert len(calls(text)) == 1
+    call = re.search(r"stablehlo\.custom_call @jax_hopper_gemm\(.*\) .*: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
+    assert call is not None, text
+    assert call.group(1) == f"tensor<2x{B}x{M}x{K}xf16>" and call.group(2) == f"tensor<2x{B}x{N}x{K}xf16>", call.groups()
+
+
 def test_nested_vmap_is_one_launch():
     f = jax.vmap(jax.vmap(jax_hopper.matmul))
     text = cuda_text(f, S((2, B, M, K), F16), S((2, B, K, N), F16))

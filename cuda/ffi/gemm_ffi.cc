@@ -46,7 +46,8 @@ ffi::Error to_ffi(const Status& st) {
 
 // The custom call's contract (the Python lowering guarantees it; everything is
 // re-checked here so a malformed call is rejected instead of read out of bounds):
-//  all of rank 2, or all of rank 3 with the same leading batch size; per batch entry
+//  all of rank 2, or all of one rank >= 3 with the same leading batch dims (folded into
+//  one batch dim here: each keeps its own sharding in the program); per batch entry
 //  c is [M, N]; a is [M, K] (or [K, ldA >= M] with transpose_a); b is [K, ldB >= N] (or
 //  [N, K] with transpose_b). Or a [..., M, K] (not transposed) and c [..., M, N] against
 //  a rank-2 b: a's and c's rows are contiguous, so their leading dims fold into M here
@@ -63,7 +64,7 @@ ffi::Error decode(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
            shape_str(c->dimensions()) + ", transpose_a=" + std::to_string(transpose_a) +
            ", transpose_b=" + std::to_string(transpose_b) + ")";
   };
-  const auto db = b.dimensions();
+  std::vector<int64_t> db(b.dimensions().begin(), b.dimensions().end());
   std::vector<int64_t> da(a.dimensions().begin(), a.dimensions().end());
   std::vector<int64_t> dc(c->dimensions().begin(), c->dimensions().end());
   if (db.size() == 2 && da.size() > 2) {
@@ -74,10 +75,19 @@ ffi::Error decode(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
     da = {rows, da.back()};
     dc = {rows, dc.back()};
   }
+  if (db.size() > 3 && da.size() == db.size() && dc.size() == db.size()) {
+    const auto lead = db.size() - 2;
+    if (!std::equal(da.begin(), da.begin() + lead, db.begin()) ||
+        !std::equal(dc.begin(), dc.begin() + lead, db.begin()))
+      return ffi::Error::InvalidArgument("jax_hopper_gemm: batch dims differ" + shapes());
+    const int64_t batch = std::accumulate(db.begin(), db.begin() + lead, int64_t{1}, std::multiplies<int64_t>());
+    for (auto* d : {&da, &db, &dc}) d->erase(d->begin(), d->begin() + lead - 1);
+    da[0] = db[0] = dc[0] = batch;
+  }
   const size_t rank = dc.size();
   if ((rank != 2 && rank != 3) || da.size() != rank || db.size() != rank)
-    return ffi::Error::InvalidArgument("jax_hopper_gemm: operands must all be rank 2, all rank 3, or a [..., M, K] "
-                                       "against a 2-D b" + shapes());
+    return ffi::Error::InvalidArgument("jax_hopper_gemm: operands must all be rank 2, all of one rank >= 3, or a "
+                                       "[..., M, K] against a 2-D b" + shapes());
   const auto type = a.element_type();
   if (b.element_type() != type || (type != ffi::DataType::F16 && type != ffi::DataType::BF16))
     return ffi::Error::InvalidArgument("jax_hopper_gemm: a and b must both be f16 or both bf16");
