@@ -80,9 +80,12 @@ def _is_precision_level(p) -> bool:
 
 def _plain_precision(precision) -> bool:
     """Precision levels are all met by the kernel (exact 16-bit products, f32 sums);
-    an explicit algorithm is honoured by leaving the call to XLA."""
+    an explicit algorithm is honoured by leaving the call to XLA. An operand without one
+    takes jax_default_matmul_precision, which may name an algorithm too (jax then rounds
+    f16 operands to bf16 for "BF16_BF16_F32", or refuses them for an f8 one)."""
     levels = precision if isinstance(precision, tuple) else (precision,)
-    return all(_is_precision_level(p) for p in levels)
+    default = jax.config.jax_default_matmul_precision
+    return all(_is_precision_level(default if p is None else p) for p in levels)
 
 
 def _is_array(x, abstract_ok=False) -> bool:
@@ -100,11 +103,20 @@ def _kernel_eligible(lhs, rhs, out_dtype, precision, abstract_ok=False) -> bool:
     return same_kernel_type and out_dtype in (lhs.dtype, F32) and _plain_precision(precision)
 
 
+def _index_tuples(dimension_numbers):
+    """dot_general's dimension numbers with each entry a tuple, as jax normalises them (it
+    takes an int for a one-dim entry: ((1, 0), ((), ())))."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    return tuple(tuple((d,) if isinstance(d, (int, np.integer)) else tuple(d) for d in pair)
+                 for pair in ((lc, rc), (lb, rb)))
+
+
 def _planned(name, lhs, rhs, dimension_numbers, precision, preferred_element_type, abstract_ok=False):
     """(jax's function, its result type, the kernel plan or None when not eligible)."""
     fn = functools.partial(lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
                            preferred_element_type=preferred_element_type)
     out = _check(name, fn, lhs, rhs)
+    dimension_numbers = _index_tuples(dimension_numbers)  # valid: jax's checks passed
     # A weak-typed result (both operands weak) stays jax's: the primitive's is strong.
     if out.weak_type or not _kernel_eligible(lhs, rhs, out.dtype, precision, abstract_ok):
         return fn, out, None
@@ -462,8 +474,9 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     dtype, weak = _layer_type("dense", operands, described)
     # Every operand weakly typed: jnp's result is weak too, which only jnp's computation
     # keeps. x or w that the layer's type cannot hold exactly (int32 x against a bf16 bias;
-    # a weak f32 x): jnp multiplies them in their own type, then rounds.
-    if weak or not _converts_exactly(dtype, x, w) or not _multiplied_as_floats(x, w):
+    # a weak f32 x), or an integer pair: jnp multiplies them in their own type, then rounds.
+    # A jax_default_matmul_precision naming an algorithm: jnp's x @ w follows it.
+    if weak or not _converts_exactly(dtype, x, w) or not _multiplied_as_floats(x, w) or not _plain_precision(None):
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
@@ -526,7 +539,7 @@ def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
             raise ValueError(f"jax_hopper.mlp: {name} must be {list(shape)}; got {described}")
     dtype, weak = _layer_type("mlp", operands, described)
     if (weak or jnp.dtype(dtype) not in KERNEL_DTYPES or not _converts_exactly(dtype, x, w1, w2) or
-            not _multiplied_as_floats(x, w1) or not _constant_shapes(x, w1, w2) or
+            not _multiplied_as_floats(x, w1) or not _plain_precision(None) or not _constant_shapes(x, w1, w2) or
             0 in np.shape(x) + np.shape(w2) + (np.shape(w1)[0],)):
         h = dense_like_jnp(x, w1, b1, None, activation=activation)
         return dense_like_jnp(h, w2, b2, residual, activation=None)

@@ -223,6 +223,54 @@ def test_algorithm_preset_names_are_left_to_jax(preset):
         assert TARGET_CALL in cuda_text(lambda x, y: jax_hopper.dot(x, y, precision="highest"), a, b)
 
 
+@pytest.mark.parametrize("config", ["BF16_BF16_F32", "ANY_F8_ANY_F8_F32"])
+def test_an_algorithm_as_the_default_matmul_precision_is_left_to_jax(config):
+    """jax_default_matmul_precision applies where no precision is given: naming an
+    algorithm there (jax rounds f16 operands to bf16 for BF16_BF16_F32, and refuses them
+    for an f8 one) leaves products and layers to jax, as an explicit one does."""
+    a = jnp.ones((16, 32), jnp.float16)
+    b = jnp.ones((32, 8), jnp.float16)
+    bias = jnp.ones((8,), jnp.float16)
+    with jax_hopper.dispatch("kernel"):
+        for level in (None, "highest", "tensorfloat32"):  # levels: still our kernel
+            with jax.default_matmul_precision(level):
+                assert TARGET_CALL in cuda_text(jax_hopper.dot, a, b)
+        with jax.default_matmul_precision(config):
+            assert jax_hopper.dispatch_path(a, b, (((1,), (0,)), ((), ())))[0] == "jax"
+            for f in (jax_hopper.dot, lambda x, w: jax_hopper.dense(x, w, bias, activation="relu"),
+                      lambda x, w: jax_hopper.mlp(x, w, None, w.T, None, activation="relu")):
+                try:
+                    text = cuda_text(f, a, b)
+                except ValueError as err:  # jax's own refusal (an f8 algorithm with f16 operands)
+                    assert "float8" in str(err) or "f8" in str(err).lower(), err
+                    continue
+                assert "jax_hopper" not in text
+
+
+@pytest.mark.parametrize("fn", ["dot_general", "dispatch_path"])
+def test_integer_dimension_numbers_are_accepted_like_lax(fn):
+    """lax.dot_general takes an int for a one-dim entry of its dimension numbers."""
+    a = seed_normal_like((4, 8))
+    b = seed_normal_like((8, 3))
+    for dn in [((1, 0), ((), ())), ((1, (0,)), ((), ())), (((1,), 0), ((), ()))]:
+        with jax_hopper.dispatch("kernel"):
+            if fn == "dispatch_path":
+                assert jax_hopper.dispatch_path(a, b, dn)[0] in ("kernel", "xla")
+                continue
+            assert TARGET_CALL in cuda_text(lambda x, y: jax_hopper.dot_general(x, y, dn), a, b)
+            ours = jax.jit(lambda x, y: jax_hopper.dot_general(x, y, dn))(a, b)
+        assert_same_product(ours, lax.dot_general(a, b, dn), a, b, (((1,), (0,)), ((), ())))
+    batched_a, batched_b = seed_normal_like((2, 4, 8)), seed_normal_like((2, 8, 3))
+    with jax_hopper.dispatch("kernel"):
+        ours = jax.jit(lambda x, y: jax_hopper.dot_general(x, y, ((2, 1), (0, 0))))(batched_a, batched_b)
+    assert_same_product(ours, lax.dot_general(batched_a, batched_b, ((2, 1), (0, 0))), batched_a, batched_b,
+                        (((2,), (1,)), ((0,), (0,))))
+
+
+def seed_normal_like(shape):
+    return jax.random.normal(jax.random.key(sum(shape)), shape, jnp.float32).astype(jnp.float16)
+
+
 def test_matmul_with_a_scalar_raises_jnp_error():
     x = jnp.ones((4, 4), jnp.float16)
     for scalar in (2.0, np.float32(2)):
