@@ -15,8 +15,10 @@ With op(X) = X^T when its flag is set:
   dB = (op(A)^T dC)^T = dC^T op(A)      -> gemm(dC, A, ta=True, tb=ta)       (B stored [N,K])
 An f32 cotangent (out_dtype=f32) is rounded to the operands' 16-bit type first, so the
 backward products multiply 16-bit inputs (on our kernel, or cuBLAS at its 16-bit rate;
-jax's own rule runs a mixed f32 x 16-bit dot). bf16 has f32's exponent range and is
-rounded as it is. f16's range ends at 65504 and its smallest subnormal is 2^-24: a
+jax's own rule runs a mixed f32 x 16-bit dot, TF32 on the GPU: 11 bits of each entry).
+bf16 has f32's exponent range but 8 bits: an f32 cotangent c is split into hi = bf16(c)
+and lo = bf16(c - hi), 16 bits together, and multiplied twice (the cost of jax's one
+TF32 product, which runs at half the 16-bit rate). f16's range ends at 65504 and its smallest subnormal is 2^-24: a
 loss-scaled cotangent would round to inf and a mean over many outputs (1e-9 per logit)
 to zero. So an f16 one is first scaled by a power of two that puts its largest magnitude
 in [2^14, 2^15); the product is taken in f32, the scale undone exactly, and the gradient
@@ -86,14 +88,20 @@ def _scaled_to_f16(ct):
 def _gradient(ct, other, product, dtype):
     """A gradient of the primitive: product(c, other, out_dtype), the backward product
     with the cotangent c in its place, for the cotangent as the products use it (module
-    docstring): in the operands' type `dtype`, or an f32 one of f16 operands scaled,
-    rounded and its product unscaled. The latter's derivatives (second-order autodiff)
-    are those of jax's rule, the f32 product: the scale chosen for ct must not be applied
-    to a tangent or cotangent of another magnitude."""
-    if ct.dtype == dtype or dtype != jnp.float16:
-        return product(ct.astype(dtype), other, dtype)
+    docstring): in the operands' type `dtype`; an f32 one of f16 operands scaled,
+    rounded and its product unscaled; an f32 one of bf16 operands split into two bf16
+    parts, two products summed. These derivatives (second-order autodiff) are those of
+    jax's rule, the f32 product: the scale chosen for ct must not be applied to a tangent
+    or cotangent of another magnitude."""
+    if ct.dtype == dtype:
+        return product(ct, other, dtype)
 
     def rounded(c, o):
+        if dtype == jnp.bfloat16:
+            hi = c.astype(dtype)
+            # An inf or nan entry is all in hi (inf - inf would put a nan in lo).
+            lo = jnp.where(jnp.isfinite(hi), c - hi.astype(c.dtype), 0).astype(dtype)
+            return (product(hi, o, jnp.float32) + product(lo, o, jnp.float32)).astype(dtype)
         c16, undo = _scaled_to_f16(c)
         return (product(c16, o, jnp.float32) * undo).astype(dtype)
 

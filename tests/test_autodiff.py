@@ -120,6 +120,28 @@ def test_a_nan_or_inf_in_an_f16_cotangent_stays_where_jnp_has_it():
     assert float(err) <= 2**-9, float(err)
 
 
+def test_an_f32_cotangent_of_bf16_products_keeps_16_bits():
+    """bf16 x bf16 -> f32: the cotangent is split into two bf16 parts (16 bits together,
+    more than the 11 of jax's TF32 product on the GPU). Rounded to bf16 alone, a
+    cancelling pair [1 + 2^-10, -1] lost its difference: dA was 0 where jnp's is 2^-10.
+    A nan and an inf stay where jnp has them (inf - inf would have put a nan in the low part)."""
+    a = jnp.ones((2, 2), jnp.bfloat16)
+    b = jnp.ones((2, 2), jnp.bfloat16)
+    ct = jnp.array([[1 + 2**-10, -1.0], [jnp.inf, 1.0]], jnp.float32)
+
+    def vjp(matmul):
+        def f32_product(x, y):
+            return matmul(x, y, preferred_element_type=jnp.float32)
+
+        return jax.jit(lambda a, b, c: jax.vjp(f32_product, a, b)[1](c))(a, b, ct)
+
+    ours, theirs = vjp(jax_hopper.matmul), vjp(jnp.matmul)
+    for got, want in zip(ours, theirs):
+        assert got.dtype == want.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert float(ours[0][0, 0]) == 2**-10
+
+
 def test_f32_results_of_f16_products_differentiate_twice_like_jnp():
     """The scaled rounding of an f32 cotangent is a computation on that cotangent; its
     own derivatives (a Hessian-vector product, a gradient penalty) are jax's rule's, not
