@@ -61,6 +61,7 @@ from jax_hopper._sharding import is_explicit, merge_drops_explicit_sharding, pad
 # f32's exponent field: 2^e for an integer e is the bit pattern (e + bias) << mantissa bits
 # (a normal f32: -126 <= e <= 127).
 F32_EXPONENT_BIAS = 127
+BF16_EXPONENT_BITS, BF16_MANTISSA_BITS = 8, 7
 F32_MANTISSA_BITS = 23
 # A scaled f16 cotangent's largest magnitude lies in [2^14, 2^15): below 65504 after
 # rounding, leaving f16's 2^-24..2^15 range to its smaller values.
@@ -98,9 +99,13 @@ def _gradient(ct, other, product, dtype):
 
     def rounded(c, o):
         if dtype == jnp.bfloat16:
-            hi = c.astype(dtype)
+            # hi: c rounded to bf16's 8 bits, kept in f32 by reduce_precision. Not
+            # c.astype(bf16).astype(f32): XLA on the GPU may drop that round trip (excess
+            # precision allowed), which made lo zero on the H200 (test_autodiff, 7b990c9).
+            hi = lax.reduce_precision(c, exponent_bits=BF16_EXPONENT_BITS, mantissa_bits=BF16_MANTISSA_BITS)
             # An inf or nan entry is all in hi (inf - inf would put a nan in lo).
-            lo = jnp.where(jnp.isfinite(hi), c - hi.astype(c.dtype), 0).astype(dtype)
+            lo = jnp.where(jnp.isfinite(hi), c - hi, 0)
+            hi, lo = hi.astype(dtype), lo.astype(dtype)  # hi exactly
             return (product(hi, o, jnp.float32) + product(lo, o, jnp.float32)).astype(dtype)
         c16, undo = _scaled_to_f16(c)
         return (product(c16, o, jnp.float32) * undo).astype(dtype)
