@@ -353,23 +353,19 @@ ad.primitive_jvps[dense_p] = _dense_jvp
 def _dense_transpose(ct, x, w, bias, residual, *, activation, has_bias, has_residual):
     """jax.linear_transpose through a layer without activation, x w + b + r, linear in the
     one undefined operand (the others are constants, as in jnp's x @ w + b): the
-    transposes of the maps its JVP uses (_z_tangent's products and bias broadcast), so
-    they match jax.grad's. grad itself never needs this (it transposes the JVP's maps)."""
+    transposes of the maps its JVP uses (the product's own rules, the bias broadcast's
+    sum), so they match jax.grad's and keep the operands' types (explicit shardings,
+    shard_map's varying axes). grad itself never needs this (it transposes the JVP's maps)."""
     if activation is not None:
         raise NotImplementedError(f"Transpose rule for 'jax_hopper_dense' with activation {activation!r}: "
                                   "the layer is not linear")
     if ad.is_undefined_primal(x) and ad.is_undefined_primal(w):
         raise NotImplementedError("Transpose rule for 'jax_hopper_dense': x and w both linear inputs (bilinear)")
     ct = ad.instantiate_zeros(ct)
-
-    def transpose(linear_map, operand):
-        (out,) = jax.linear_transpose(linear_map, jax.ShapeDtypeStruct(operand.aval.shape, operand.aval.dtype))(ct)
-        return out
-
-    return [transpose(lambda v: _product(v, w), x) if ad.is_undefined_primal(x) else None,
-            transpose(lambda v: _product(x, v), w) if ad.is_undefined_primal(w) else None,
-            transpose(lambda v: jnp.broadcast_to(v, ct.shape), bias) if has_bias and ad.is_undefined_primal(bias)
-            else None,
+    flags = dict(transpose_a=False, transpose_b=False, out_dtype=ct.dtype, kernel=None, stages=None)
+    return [_transpose_lhs(ct, x, w, **flags) if ad.is_undefined_primal(x) else None,
+            _transpose_rhs(ct, x, w, **flags) if ad.is_undefined_primal(w) else None,
+            jnp.sum(ct, axis=tuple(range(ct.ndim - 1))) if has_bias and ad.is_undefined_primal(bias) else None,
             ct if has_residual and ad.is_undefined_primal(residual) else None]
 
 

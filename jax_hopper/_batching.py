@@ -20,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import batching
 
 from jax_hopper import _dispatch
@@ -31,7 +32,7 @@ from jax_hopper._fallback import (
     row_sum,
 )
 from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p
-from jax_hopper._primitive import SMALL_M_KERNEL, gemm_p, stages_of
+from jax_hopper._primitive import PRODUCT_NAME, SMALL_M_KERNEL, gemm_p, stages_of
 from jax_hopper._sharding import merge_drops_explicit_sharding
 
 NOT_MAPPED = None
@@ -94,6 +95,11 @@ def _batch_rule(args, dims, **params):
             out = _bind(a, b.reshape(b.shape[:first] + (v * n,) + b.shape[first + 2:]), params)
             return out.reshape(out.shape[:-1] + (v, n)), out.ndim - 1
         db = first
+    if da is not NOT_MAPPED and da == db and a.ndim == b.ndim and da <= a.ndim - 3:
+        # v already sits among (or just after) the batch dims of both: one more batch dim
+        # where it is, no transpose (moving it to the front of two batch dims fed XLA:CPU's
+        # simplifier a pattern it aborts on).
+        return _bind(a, b, params), da
     size = a.shape[da] if da is not NOT_MAPPED else b.shape[db]
     b_rank = b.ndim - (db is not NOT_MAPPED)  # the primitive's own ranks
     a_rank = a.ndim - (da is not NOT_MAPPED)
@@ -129,7 +135,10 @@ def _dense_batch_rule(args, dims, *, activation, has_bias, has_residual):
     def reference(x, w, b, r):
         return dense_reference(x, w, b if has_bias else None, r if has_residual else None, activation=activation)
 
-    return jax.vmap(reference)(*[_to_front(a, d, size) for a, d in zip(args, dims)]), 0
+    # Named as the primitive's JVP names its output (a remat policy's handle): here no
+    # dense_p is bound for that rule to run on.
+    out = jax.vmap(reference)(*[_to_front(a, d, size) for a, d in zip(args, dims)])
+    return checkpoint_name(out, PRODUCT_NAME), 0
 
 
 batching.primitive_batchers[dense_p] = _dense_batch_rule

@@ -241,6 +241,24 @@ def test_jvp_and_linearize_match_jnp():
     assert relative_error(lin(da, db), exact) <= 2 * ERROR_FACTOR * relative_error(t_theirs, exact)
 
 
+@pytest.mark.parametrize("weights", ["shared", "per-example"])
+def test_vmapped_dense_keeps_its_remat_name(weights, capsys):
+    """The fused dense's output is named in its JVP; a vmap over per-example weights takes
+    the reference arithmetic (no primitive, no JVP rule) and names its output itself, so
+    a names-only policy still saves the layer's output instead of recomputing it."""
+    x = jnp.ones((3, 16, 32), jnp.float16)
+    w = jnp.ones((3, 32, 16) if weights == "per-example" else (32, 16), jnp.float16)
+    b = jnp.ones((16,), jnp.float16)
+    in_axes = (0, 0 if weights == "per-example" else None)
+    layer = jax.vmap(lambda xi, wi: jax_hopper.dense(xi, wi, b), in_axes=in_axes)
+    policy = jax.checkpoint_policies.save_only_these_names(jax_hopper.PRODUCT_NAME)
+    loss = jax.checkpoint(lambda x, w: jnp.sum(jnp.sin(layer(x, w)).astype(jnp.float32)), policy=policy)
+    with jax_hopper.dispatch("kernel"):
+        jax.ad_checkpoint.print_saved_residuals(loss, x, w)
+    saved = capsys.readouterr().out
+    assert f"f16[3,16,16] named '{jax_hopper.PRODUCT_NAME}'" in saved, saved
+
+
 def test_remat_policies_can_save_our_products_by_name():
     """jax's dot policies match lax.dot_general only; our products carry PRODUCT_NAME so
     a policy can save them (else the backward pass recomputes every product)."""

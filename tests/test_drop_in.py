@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_product, cuda_text, hopper_devices, weak
+from helpers import assert_same_product, cuda_text, hopper_devices, relative_error, weak
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -293,6 +293,23 @@ VMAP_LAYOUTS = {  # name: (lhs shape, rhs shape, dimension numbers), per example
     "batched NT": ((3, 8, 24), (3, 16, 24), (((2,), (2,)), ((0,), (0,)))),
     "batched TN": ((3, 24, 8), (3, 24, 16), (((1,), (1,)), ((0,), (0,)))),
 }
+
+
+@pytest.mark.parametrize("in_axes", [0, 1, 2, (2, None), (None, 2)])
+def test_vmap_over_a_product_with_two_batch_dims_matches_jnp(in_axes):
+    """The vmapped dim among (or after) a product's two batch dims becomes one more batch
+    dim where it is (moving it to the front made XLA:CPU abort in its simplifier)."""
+    q = seed_normal_like((2, 3, 2, 3, 5))
+    k = seed_normal_like((2, 3, 2, 5, 4))
+    axes = in_axes if isinstance(in_axes, tuple) else (in_axes, in_axes)
+    q, k = (v[(slice(None),) * 2 + (0,)] if a is None else v for v, a in zip((q, k), axes))
+    with jax_hopper.dispatch("kernel"):
+        ours = jax.jit(jax.vmap(jax_hopper.matmul, in_axes=axes))(q, k)
+    ref = jax.vmap(jnp.matmul, in_axes=axes)(q, k)
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype
+    f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
+    exact = jax.vmap(lambda a, b: jnp.matmul(a, b, precision="highest"), in_axes=axes)(f32(q), f32(k))
+    assert relative_error(ours, exact) <= 1.5 * relative_error(exact.astype(ours.dtype), exact) + 1e-6
 
 
 @pytest.mark.parametrize("layout", VMAP_LAYOUTS)

@@ -461,6 +461,28 @@ def test_explicit_batch_sharded_on_one_operand_differentiates_like_lax():
             assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
 
 
+@pytest.mark.parametrize("operand", ["x", "w", "bias"])
+def test_explicit_affine_dense_transposes_like_jnp(operand):
+    """jax.linear_transpose through an affine dense under explicit axes: the cotangent keeps
+    its operand's type (the transpose rule once rebuilt the operand without its sharding,
+    and jax refused the cotangent)."""
+    mm = mesh(AxisType.Explicit)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        ops = {"x": jax.device_put(_random(jax.random.key(12), (M, K)), NamedSharding(mm, P("x", None))),
+               "w": jax.device_put(_random(jax.random.key(13), (K, N)), NamedSharding(mm, P(None, "y"))),
+               "bias": jax.device_put(_random(jax.random.key(14), (N,)), NamedSharding(mm, P("y")))}
+        ct = jax.device_put(_random(jax.random.key(15), (M, N)), NamedSharding(mm, P("x", "y")))
+
+        def layer(fn):
+            return lambda v: fn(*[v if name == operand else ops[name] for name in ops])
+
+        with jax_hopper.dispatch("kernel"):
+            (ours,) = jax.jit(jax.linear_transpose(layer(jax_hopper.dense), ops[operand]))(ct)
+        (ref,) = jax.linear_transpose(layer(lambda x, w, b: x @ w + b), ops[operand])(ct)
+        assert jax.typeof(ours) == jax.typeof(ref), (jax.typeof(ours), jax.typeof(ref))
+        assert relative_error(ours, ref.astype(jnp.float32)) < 1e-2
+
+
 def test_explicit_dense_result_type_follows_jnp():
     """The fused dense's result type under explicit axes: M as x, N as w (it copied x's
     sharding, putting K's mesh axis on N); a sharded K asks for out_sharding like jnp."""
