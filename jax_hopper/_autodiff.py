@@ -39,6 +39,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
@@ -365,7 +366,9 @@ def _dense_transpose(ct, x, w, bias, residual, *, activation, has_bias, has_resi
     flags = dict(transpose_a=False, transpose_b=False, out_dtype=ct.dtype, kernel=None, stages=None)
     return [_transpose_lhs(ct, x, w, **flags) if ad.is_undefined_primal(x) else None,
             _transpose_rhs(ct, x, w, **flags) if ad.is_undefined_primal(w) else None,
-            jnp.sum(ct, axis=tuple(range(ct.ndim - 1))) if has_bias and ad.is_undefined_primal(bias) else None,
+            # In ct's own type, as jax transposes jnp's bias broadcast (jnp.sum would sum in f32).
+            lax.reduce(ct, np.zeros((), ct.dtype), lax.add, tuple(range(ct.ndim - 1)))
+            if has_bias and ad.is_undefined_primal(bias) else None,
             ct if has_residual and ad.is_undefined_primal(residual) else None]
 
 
