@@ -71,8 +71,9 @@ def _spec_of(sharding, ndim):
     return _axes(PartitionSpec() if spec is None else spec, ndim)
 
 
-def _plan(a_sharding, b_sharding, a_shape, b_ndim, transpose_a, transpose_b) -> Plan:
-    """Mesh axes for each role, each mesh axis used by at most one role."""
+def _plan(a_sharding, b_sharding, a_shape, b_ndim, transpose_a, transpose_b, n_first=False) -> Plan:
+    """Mesh axes for each role, each mesh axis used by at most one role (M before N,
+    unless n_first)."""
     ndim = len(a_shape)
     lead_dims, (ab, am, ak), (_, bk, bn) = _roles(ndim, b_ndim, transpose_a, transpose_b)
     sa, sb = _spec_of(a_sharding, ndim), _spec_of(b_sharding, b_ndim)
@@ -87,8 +88,12 @@ def _plan(a_sharding, b_sharding, a_shape, b_ndim, transpose_a, transpose_b) -> 
 
     batch = tuple(take(sa[d], sb[d]) for d in ab)
     lead = tuple(take(sa[d]) for d in lead_dims)
-    m = take(sa[am])
-    n = take(sb[bn])
+    if n_first:
+        n = take(sb[bn])
+        m = take(sa[am])
+    else:
+        m = take(sa[am])
+        n = take(sb[bn])
     # K is split only where both operands have it split alike, as XLA's dot does; a K
     # sharded on one side only is gathered (jnp.dot all-gathers it rather than adding an
     # all-reduce of partial products). An uneven split is gathered too: the last shard's
@@ -144,15 +149,23 @@ def padded_spec(sharding, ndim) -> tuple:
 
 def output_sharding(a, b, transpose_a, transpose_b):
     """The result's sharding in the avals' type system (explicit mesh axes): batch,
-    leading dims and M as `a` has them, N as `b` has it, jnp.dot's rule. None where avals
-    carry none."""
+    leading dims and M as `a` has them, N as `b` has it, jnp.dot's rule. N is replicated
+    where its mesh axes already shard another dim of the result, as _plan computes it
+    (jax's public rule refuses that product, and ops runs jax's check first; a backward
+    product meets it, e.g. FSDP's dx = dy w^T with dy's rows and w's K on one axis, and
+    then takes the operand's sharding as jax's transpose does). None where avals carry
+    none."""
     mesh = explicit_mesh(a, b)
     if mesh is None:
         return None  # no sharding in the type system: the result's aval carries none either
     lead_dims, (ab, am, _), (_, _, bn) = _roles(a.ndim, b.ndim, transpose_a, transpose_b)
     spec_a, spec_b = explicit_spec(a), explicit_spec(b)
-    entries = tuple(spec_a[d] for d in ab + lead_dims) + (spec_a[am], spec_b[bn])
-    return NamedSharding(mesh, PartitionSpec(*entries))
+    entries = tuple(spec_a[d] for d in ab + lead_dims) + (spec_a[am],)
+    used = {axis for e in entries for axis in _axes(PartitionSpec(e), 1)[0]}
+    n = spec_b[bn]
+    if used.intersection(_axes(PartitionSpec(n), 1)[0]):
+        n = None
+    return NamedSharding(mesh, PartitionSpec(*entries, n))
 
 
 def explicit_mesh(*avals):
@@ -179,11 +192,18 @@ def explicit_spec(aval) -> tuple:
     return padded_spec(sharding, aval.ndim) if is_explicit(sharding) else (None,) * aval.ndim
 
 
-def _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b):
-    """(plan, (a, b, result shardings)) for the operands' shardings."""
+def _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b, result_shape=None):
+    """(plan, (a, b, result shardings)) for the operands' shardings. Where one mesh axis
+    shards both M and N and the partitioner chose N for the result (`result_shape`'s
+    sharding: Shardy picks the larger dim, as for jnp.dot), N keeps it and M is gathered,
+    not the larger operand gathered and the result reshuffled."""
     a, b = arg_shapes[0], arg_shapes[1]
-    plan = _plan(_on_mesh(a.sharding, mesh), _on_mesh(b.sharding, mesh), a.shape, len(b.shape), transpose_a,
-                 transpose_b)
+    a_sharding, b_sharding = _on_mesh(a.sharding, mesh), _on_mesh(b.sharding, mesh)
+    n_first = False
+    if result_shape is not None and getattr(result_shape, "sharding", None) is not None:
+        out = _spec_of(result_shape.sharding, len(result_shape.shape))
+        n_first = bool(out[-1]) and not out[-2]
+    plan = _plan(a_sharding, b_sharding, a.shape, len(b.shape), transpose_a, transpose_b, n_first)
     return plan, _shardings(mesh, len(a.shape), len(b.shape), transpose_a, transpose_b, plan)
 
 
@@ -205,8 +225,8 @@ def _per_device_product(local_impl, k_axes, out_dtype, **params):
 
 
 def _partition(local_impl, transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
-    del result_shape
-    plan, (a_sharding, b_sharding, out_sharding) = _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b)
+    plan, (a_sharding, b_sharding, out_sharding) = _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b,
+                                                                      result_shape)
     lower_fn = _per_device_product(local_impl, plan.k, out_dtype, transpose_a=transpose_a, transpose_b=transpose_b,
                                    kernel=kernel, stages=stages)
     return mesh, lower_fn, out_sharding, (a_sharding, b_sharding)
@@ -290,6 +310,11 @@ def _spans_devices(ctx) -> bool:
     return False
 
 
+def _for_export(ctx) -> bool:
+    """Whether the module is lowered for jax.export."""
+    return bool(getattr(getattr(ctx.module_context, "lowering_parameters", None), "for_export", False))
+
+
 def _partly_manual(ctx) -> bool:
     """Inside a shard_map manual over some mesh axes, with others left to the compiler.
     XLA does not call custom_partitioning's callbacks there (jax 0.10): it gathers the
@@ -320,7 +345,10 @@ def _local_or_partitioned(local_impl, partitioned_impl, explicit_impl, xla_impl)
         # Partly manual: the operands' shardings over the free axes are unknown here and
         # custom_partitioning would not be consulted, so XLA's own dot, partitioned like
         # jnp.dot's, is the only way not to gather (our kernel does not run there).
-        return (by_xla if _partly_manual(ctx) else sharded)(ctx, *args, **params)
+        # jax.export: custom_partitioning's callbacks live in this process (jax refuses to
+        # serialize them), so an exported program spanning devices on Auto axes holds
+        # XLA's dot, partitioned like jnp.dot's.
+        return (by_xla if _partly_manual(ctx) or _for_export(ctx) else sharded)(ctx, *args, **params)
 
     return rule
 
@@ -367,8 +395,8 @@ def partitioned(local_impl):
 # runs on the sum through XLA. An absent bias / residual is passed as an empty (0,) array, replicated.
 
 
-def _dense_shardings(mesh, arg_shapes, has_bias, has_residual):
-    plan, (x_s, w_s, out_s) = _operand_shardings(mesh, arg_shapes, False, False)
+def _dense_shardings(mesh, arg_shapes, has_bias, has_residual, result_shape=None):
+    plan, (x_s, w_s, out_s) = _operand_shardings(mesh, arg_shapes, False, False, result_shape)
     replicated = NamedSharding(mesh, PartitionSpec())
     bias_s = NamedSharding(mesh, _pspec([plan.n])) if has_bias else replicated
     residual_s = out_s if has_residual else replicated
@@ -381,8 +409,7 @@ def _dense_infer(activation, has_bias, has_residual, mesh, arg_shapes, result_sh
 
 
 def _dense_partition(local_impl, activation, has_bias, has_residual, mesh, arg_shapes, result_shape):
-    del result_shape
-    k_axes, arg_shardings, out_sharding = _dense_shardings(mesh, arg_shapes, has_bias, has_residual)
+    k_axes, arg_shardings, out_sharding = _dense_shardings(mesh, arg_shapes, has_bias, has_residual, result_shape)
     return mesh, _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual), out_sharding, arg_shardings
 
 

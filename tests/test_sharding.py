@@ -66,6 +66,10 @@ PATTERNS = {  # name: (a shape, b shape, dimension numbers, a spec, b spec)
                                P("y", "x")),
     "heads_sharded_batch_dims_inside": ((B, M, 2, K), (B, K, 2, N), (((3,), (1,)), ((0, 2), (0, 2))),
                                         P("x"), P("x")),
+    # One axis on M and on a wider N: the partitioner shards the result on N, as jnp's
+    # (the smaller x gathered); our plan kept M, gathered w and all-to-all'd the result.
+    "one_axis_on_M_and_wider_N": ((M, K), (K, 4 * M), DN, P("x", None), P(None, "x")),
+    "one_axis_on_wider_M_and_N": ((4 * N, K), (K, N), DN, P("x", None), P(None, "x")),
 }
 
 
@@ -575,6 +579,78 @@ def test_explicit_mesh_gradients_with_a_sharded_contraction_in_the_backward(poli
     for go, gr in zip(ours, ref):
         assert jax.typeof(go) == jax.typeof(gr), (jax.typeof(go), jax.typeof(gr))
         assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
+
+
+OUR_CUSTOM_CALLS = ("jax_hopper_gemm", "jax_hopper_gemm_fused", "jax_hopper_gemm_fused_grad",
+                    "jax_hopper_gemm_fused_derivative")
+
+
+def test_sharded_products_on_auto_axes_export_and_run_like_jnp():
+    """jax.export of a program spanning devices on Auto mesh axes: custom_partitioning's
+    callbacks cannot be serialized (jax raised 'serialization of host_callbacks is not yet
+    implemented'), so the exported program holds XLA's dot, partitioned like jnp's; it
+    runs and gives jnp's values and shardings."""
+    from jax import export
+
+    mm = mesh()
+    sa, sb = NamedSharding(mm, P("x", None)), NamedSharding(mm, P(None, "y"))
+    a = jax.device_put(_random(jax.random.key(80), (M, K)), sa)
+    b = jax.device_put(_random(jax.random.key(81), (K, N)), sb)
+    bias = jax.device_put(_random(jax.random.key(82), (N,)), NamedSharding(mm, P("y")))
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in OUR_CUSTOM_CALLS]
+    cases = [(jax_hopper.matmul, jnp.matmul, (a, b)),
+             (lambda x, w, c: jax_hopper.dense(x, w, c, activation="gelu_tanh"),
+              lambda x, w, c: jax.nn.gelu(x @ w + c), (a, b, bias)),
+             (jax.grad(lambda x, w: jnp.sum(jax_hopper.matmul(x, w).astype(jnp.float32)), argnums=(0, 1)),
+              jax.grad(lambda x, w: jnp.sum(jnp.matmul(x, w).astype(jnp.float32)), argnums=(0, 1)), (a, b))]
+    for ours, theirs, args in cases:
+        specs = [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for v in args]
+        shardings = tuple(v.sharding for v in args)
+        with jax_hopper.dispatch("kernel"):
+            exp = export.export(jax.jit(ours, in_shardings=shardings), platforms=("cpu", "cuda"),
+                                disabled_checks=checks)(*specs)
+        assert not any(f"custom_call @{t}(" in exp.mlir_module() for t in OUR_CUSTOM_CALLS)
+        ref = jax.jit(theirs)(*args)
+        for got, want in zip(jax.tree.leaves(exp.call(*args)), jax.tree.leaves(ref)):
+            assert got.sharding.is_equivalent_to(want.sharding, got.ndim), (got.sharding, want.sharding)
+            # XLA's dot either way: jnp's values up to the rounding of the f16 results
+            assert relative_error(got, want.astype(jnp.float32)) <= 2**-9
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+def test_explicit_fsdp_layout_gradients_follow_jnp(policy):
+    """x [M@x, K] against w [K@x, N] (FSDP: the weights sharded on the data axis): dx =
+    dC w^T has dC's rows and w's K on one axis. jax's transpose gives dx x's type; our
+    backward product built the result type [M@x, K@x] and raised DuplicateSpecError."""
+    mm = mesh(AxisType.Explicit)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        x = jax.device_put(_random(jax.random.key(70), (M, K)), NamedSharding(mm, P("x", None)))
+        w = jax.device_put(_random(jax.random.key(71), (K, N)), NamedSharding(mm, P("x", None)))
+        w2 = jax.device_put(_random(jax.random.key(72), (N, K)), NamedSharding(mm, P("x", None)))
+        b = jax.device_put(_random(jax.random.key(73), (N,)), NamedSharding(mm, P()))
+        b2 = jax.device_put(_random(jax.random.key(74), (K,)), NamedSharding(mm, P()))
+        layers = [
+            (jax_hopper.matmul, jnp.matmul, (x, w)),
+            (lambda x, w, b: jax_hopper.dense(x, w, b, activation="relu"), lambda x, w, b: jax.nn.relu(x @ w + b),
+             (x, w, b)),
+            (lambda x, w, b, w2, b2: jax_hopper.mlp(x, w, b, w2, b2, activation="gelu_tanh"),
+             lambda x, w, b, w2, b2: jax.nn.gelu(x @ w + b) @ w2 + b2, (x, w, b, w2, b2)),
+        ]
+        for f, ref_f, args in layers:
+            def loss(f):  # a fixed random cotangent: gradients far from f16's 65504, none amplified
+                def value(*a):
+                    y = f(*a).astype(jnp.float32)
+                    return jnp.sum(y * jax.random.normal(jax.random.key(75), y.shape, jnp.float32))
+                return value
+
+            argnums = tuple(range(len(args)))
+            with jax_hopper.dispatch(policy):
+                ours = jax.jit(jax.grad(loss(f), argnums=argnums))(*args)
+            ref = jax.jit(jax.grad(loss(ref_f), argnums=argnums))(*args)
+            for go, gr in zip(ours, ref):
+                assert jax.typeof(go) == jax.typeof(gr), (jax.typeof(go), jax.typeof(gr))
+                # f16 gradients of f16 products (K, N <= 128 terms): a few f16 roundings
+                assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
 
 
 def test_explicit_dense_residual_sharded_unlike_the_product_gets_jnps_type():
