@@ -64,6 +64,7 @@ from jax_hopper._sharding import is_explicit, merge_drops_explicit_sharding, pad
 F32_EXPONENT_BIAS = 127
 BF16_EXPONENT_BITS, BF16_MANTISSA_BITS = 8, 7
 F32_MANTISSA_BITS = 23
+BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
 # A scaled f16 cotangent's largest magnitude lies in [2^14, 2^15): below 65504 after
 # rounding, leaving f16's 2^-24..2^15 range to its smaller values.
 F16_SCALED_EXPONENT = 15
@@ -104,6 +105,9 @@ def _gradient(ct, other, product, dtype):
             # c.astype(bf16).astype(f32): XLA on the GPU may drop that round trip (excess
             # precision allowed), which made lo zero on the H200 (test_autodiff, 7b990c9).
             hi = lax.reduce_precision(c, exponent_bits=BF16_EXPONENT_BITS, mantissa_bits=BF16_MANTISSA_BITS)
+            # A finite c past bf16's largest value rounds to inf: hi keeps that largest
+            # value and lo the rest (jax's f32 product of it is finite).
+            hi = jnp.where(jnp.isinf(hi) & jnp.isfinite(c), jnp.sign(c) * BF16_MAX, hi)
             # An inf or nan entry is all in hi (inf - inf would put a nan in lo).
             lo = jnp.where(jnp.isfinite(hi), c - hi, 0)
             hi, lo = hi.astype(dtype), lo.astype(dtype)  # hi exactly

@@ -335,7 +335,8 @@ def _multiplied_as_floats(x, w) -> bool:
 
 def _promote(a, b, preferred_element_type):
     """Both operands in jnp's promoted type, or None where jnp's own function must run:
-    a weakly typed result (both operands weak: jax's function keeps that); a conversion
+    a weakly typed result (both operands weak: jax's function keeps that); mixed operand
+    types with a preferred_element_type other than their promoted type; a conversion
     that would change a value (jnp does not convert: lax.dot_general takes the operands
     as given, so int16 against bf16 keeps 257 where bf16 has 256); or a non-floating
     preferred_element_type (lax converts mixed operands to it first); a pair that jax does
@@ -354,6 +355,11 @@ def _promote(a, b, preferred_element_type):
     if preferred_element_type is not None and not jnp.issubdtype(preferred_element_type, jnp.floating):
         return None
     if not _converts_exactly(dtype, a, b):
+        return None
+    if (preferred_element_type is not None and jnp.dtype(preferred_element_type) != dtype
+            and jnp.result_type(a) != jnp.result_type(b)):
+        # lax converts mixed operands to the result type before the product (on CPU and
+        # GPU): bf16 x f32 with a bf16 result multiplies the f32 operand rounded to bf16.
         return None
     # The pair's type is strong here, so a weak operand of it becomes strong (no value changes).
     return tuple(x if isinstance(x, jax.Array) and x.dtype == dtype and not jax.typeof(x).weak_type
@@ -382,7 +388,9 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
     ``accumulation="f16"``: see ``dot_general``.
 
     2-D operands: C = A @ B. Leading dims of `a` against a 2-D `b` fold into M (one
-    plain GEMM); batched `b` makes one batched launch over the broadcast batch.
+    plain GEMM); batch dims follow jnp.matmul's decomposition (_matmul_as_dot_general):
+    one batched launch over the shared ones, a broadcast one a free dim of the other
+    operand.
     """
     _check_accumulation_value("matmul", accumulation)
     fn = functools.partial(jnp.matmul, precision=precision, preferred_element_type=preferred_element_type)
@@ -397,21 +405,71 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
         return fn(a, b)
     a, b = promoted
     kw = dict(precision=precision, preferred_element_type=preferred_element_type, accumulation=accumulation)
-    a_vec, b_vec = a.ndim == 1, b.ndim == 1
-    a2 = a[None, :] if a_vec else a
-    b2 = b[:, None] if b_vec else b
-    if b2.ndim == 2:
-        out = dot_general(a2, b2, (((a2.ndim - 1,), (0,)), ((), ())), **kw)
-    else:
-        batch = jnp.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
-        a2 = jnp.broadcast_to(a2, batch + a2.shape[-2:])
-        b2 = jnp.broadcast_to(b2, batch + b2.shape[-2:])
-        nb = len(batch)
-        out = dot_general(a2, b2, (((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb)))), **kw)
-    if a_vec:
-        out = jnp.squeeze(out, axis=-2)
-    if b_vec:
-        out = jnp.squeeze(out, axis=-1)
+    return _matmul_as_dot_general(a, b, functools.partial(dot_general, **kw))
+
+
+def _definitely_equal(x, y) -> bool:
+    """x == y for every value of symbolic dims (jax.export): False where undecided."""
+    try:
+        return bool(x == y)
+    except Exception:  # noqa: BLE001 -- jax's InconclusiveDimensionOperation
+        return False
+
+
+def _matmul_as_dot_general(a, b, dot_general_fn):
+    """jnp.matmul's own decomposition into one dot_general: a batch dim present in both
+    operands (same size and sharding) is a batch dim of the product; one that is missing
+    or of size 1 in an operand is a free dim of the other (no broadcast copy: the
+    product, and its gradient, sum over it in one contraction, and its sharding stays);
+    size-1 dims of both are squeezed and restored."""
+    a_is_mat, b_is_mat = a.ndim > 1, b.ndim > 1
+    a_dims = a.shape[:-2] if a_is_mat else ()
+    b_dims = b.shape[:-2] if b_is_mat else ()
+    nb = max(len(a_dims), len(b_dims))
+    a_dims = (None,) * (nb - len(a_dims)) + a_dims
+    b_dims = (None,) * (nb - len(b_dims)) + b_dims
+
+    def batch_specs(x, is_mat, count):
+        spec = _explicit_spec(x) if is_mat else None
+        spec = tuple(spec[:-2]) if spec is not None else (None,) * (x.ndim - 2 if is_mat else 0)
+        return (None,) * (count - len(spec)) + spec
+
+    a_specs, b_specs = batch_specs(a, a_is_mat, nb), batch_specs(b, b_is_mat, nb)
+    a_squeeze, b_squeeze, both_squeeze, a_batch, b_batch = [], [], [], [], []
+    idx_batch, idx_a_other, idx_b_other = [], [], []
+    for i, (ba, bb, sa, sb) in enumerate(zip(a_dims, b_dims, a_specs, b_specs)):
+        if ba is None:
+            idx_b_other.append(i)
+        elif bb is None:
+            idx_a_other.append(i)
+        elif _definitely_equal(ba, 1) and _definitely_equal(bb, 1) and sa is None and sb is None:
+            a_squeeze.append(len(idx_batch) + len(idx_a_other) + len(a_squeeze))
+            b_squeeze.append(len(idx_batch) + len(idx_b_other) + len(b_squeeze))
+            both_squeeze.append(i)
+        elif _definitely_equal(ba, 1) and sa is None:
+            idx_b_other.append(i)
+            a_squeeze.append(len(idx_batch) + len(idx_a_other) + len(a_squeeze))
+        elif _definitely_equal(bb, 1) and sb is None:
+            idx_a_other.append(i)
+            b_squeeze.append(len(idx_batch) + len(idx_b_other) + len(b_squeeze))
+        elif _definitely_equal(ba, bb) and sa == sb:
+            a_batch.append(len(idx_batch) + len(idx_a_other))
+            b_batch.append(len(idx_batch) + len(idx_b_other))
+            idx_batch.append(i)
+        else:  # jnp's check (_check) refuses these first
+            raise ValueError(f"Incompatible types for matmul arguments: {jax.typeof(a)} and {jax.typeof(b)}")
+    if a_is_mat:
+        idx_a_other.append(nb)
+    if b_is_mat:
+        idx_b_other.append(nb + a_is_mat)
+    perm = tuple(int(p) for p in np.argsort(np.concatenate([idx_batch, idx_a_other, idx_b_other]).astype(int)))
+    a = lax.squeeze(a, tuple(a_squeeze))
+    b = lax.squeeze(b, tuple(b_squeeze))
+    out = dot_general_fn(a, b, (((a.ndim - 1,), (b.ndim - 1 - b_is_mat,)), (tuple(a_batch), tuple(b_batch))))
+    if perm != tuple(range(len(perm))):
+        out = lax.transpose(out, perm)
+    if both_squeeze:
+        out = lax.expand_dims(out, tuple(both_squeeze))
     return out
 
 
@@ -430,11 +488,12 @@ def _check_layer_operands(op, operands, activation) -> str:
 
 
 def _layer_type(op, operands, described):
-    """(type, weak) of a layer: jnp's promotion of all its operands, floating only."""
+    """(type, weak) of a layer: jnp's promotion of all its operands, floating or complex
+    (flax.linen.Dense's promotion accepts any inexact type; complex layers are jnp's)."""
     dtype, weak = jax.dtypes.result_type(*(v for v in operands.values() if v is not None),
                                          return_weak_type_flag=True)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"jax_hopper.{op}: floating-point operands only; got {described}")
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        raise TypeError(f"jax_hopper.{op}: floating-point or complex operands only; got {described}")
     return dtype, weak
 
 

@@ -142,6 +142,29 @@ def test_an_f32_cotangent_of_bf16_products_keeps_16_bits():
     assert float(ours[0][0, 0]) == 2**-10
 
 
+def test_a_finite_f32_cotangent_past_bf16s_range_gives_a_finite_gradient():
+    """A finite f32 cotangent entry above bf16's largest value (3.39e38) rounded to inf in
+    the high part (and put nothing in the low one): dA was inf where jnp's is 2.55e38."""
+    a = jnp.full((2, 4), 0.25, jnp.bfloat16)
+    b = jnp.full((4, 3), 0.25, jnp.bfloat16)
+    ct = jnp.full((2, 3), 3.4e38, jnp.float32)
+    ct = ct.at[1, 1].set(-3.4e38)
+
+    def vjp(matmul):
+        def f32_product(x, y):
+            return matmul(x, y, preferred_element_type=jnp.float32)
+
+        return jax.jit(lambda a, b, c: jax.vjp(f32_product, a, b)[1](c))(a, b, ct)
+
+    ours, theirs = vjp(jax_hopper.matmul), vjp(jnp.matmul)
+    for got, want in zip(ours, theirs):
+        assert bool(jnp.all(jnp.isfinite(want.astype(jnp.float32))))  # the premise
+        assert got.dtype == want.dtype == jnp.bfloat16
+        # jax's product on the GPU rounds ct to TF32 (10 bits, still finite at 3.4e38):
+        # the two may then round to neighbouring bf16 values
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2**-7)
+
+
 def test_f32_results_of_f16_products_differentiate_twice_like_jnp():
     """The scaled rounding of an f32 cotangent is a computation on that cotangent; its
     own derivatives (a Hessian-vector product, a gradient penalty) are jax's rule's, not

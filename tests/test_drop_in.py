@@ -280,6 +280,48 @@ def test_matmul_with_a_scalar_raises_jnp_error():
             jax_hopper.matmul(x, scalar)
 
 
+@pytest.mark.parametrize("a_shape,b_shape", [((16, 24), (64, 24, 8)), ((64, 16, 24), (24, 8)),
+                                             ((1, 16, 24), (64, 24, 8)), ((24,), (64, 24, 8)),
+                                             ((4, 1, 16, 24), (1, 16, 24, 8))])
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+def test_matmul_gradients_over_a_broadcast_batch_sum_once_like_jnp(a_shape, b_shape, policy):
+    """matmul(W, x [B, K, N]): jnp makes B a free dim of x, so W's gradient sums over B
+    inside one product (one rounding). Broadcasting W to [B, M, K] first summed B f16
+    gradients, each rounded, in a reduce_sum: 7x jnp's error (B = 1024)."""
+    ka, kb, kc = jax.random.split(jax.random.key(17), 3)
+    a, b = _random(ka, a_shape, jnp.float16), _random(kb, b_shape, jnp.float16)
+    ct = _random(kc, jnp.matmul(a, b).shape, jnp.float16)
+
+    def grads(fn, x, y):
+        return jax.vjp(jax.jit(fn), x, y)[1](ct.astype(x.dtype))
+
+    with jax_hopper.dispatch(policy):
+        ours = grads(jax_hopper.matmul, a, b)
+        assert jax.jit(jax_hopper.matmul)(a, b).shape == jnp.matmul(a, b).shape
+    theirs = grads(jnp.matmul, a, b)
+    exact = grads(lambda x, y: jnp.matmul(x, y, precision="highest"), a.astype(jnp.float32), b.astype(jnp.float32))
+    for g_ours, g_theirs, g_exact in zip(ours, theirs, exact):
+        assert g_ours.shape == g_theirs.shape and g_ours.dtype == g_theirs.dtype
+        # each a sum of f16 products in f32, rounded once to f16, like jnp's
+        assert relative_error(g_ours, g_exact) <= 1.5 * relative_error(g_theirs, g_exact) + 2**-12
+
+
+def test_mixed_operands_with_a_narrower_result_type_round_like_jnp():
+    """bf16 x against f32 (master) weights with a bf16 result: lax converts both operands
+    to bf16 before the product; converting both to f32 (their promoted type) multiplied
+    the unrounded weights (values up to 0.25 apart)."""
+    kx, kw = jax.random.split(jax.random.key(18))
+    x = _random(kx, (64, 256), jnp.bfloat16)
+    w = jax.random.normal(kw, (256, 64), jnp.float32)
+    for policy in ("auto", "kernel"):
+        with jax_hopper.dispatch(policy):
+            for ours_fn, ref_fn in [(jax_hopper.dot, jnp.dot), (jax_hopper.matmul, jnp.matmul)]:
+                ours = jax.jit(lambda a, b: ours_fn(a, b, preferred_element_type=jnp.bfloat16))(x, w)
+                ref = jax.jit(lambda a, b: ref_fn(a, b, preferred_element_type=jnp.bfloat16))(x, w)
+                assert ours.dtype == ref.dtype
+                np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(ref, np.float32))
+
+
 TARGET_CALL = "custom_call @jax_hopper_gemm"
 
 

@@ -152,3 +152,31 @@ def test_a_broadcast_residual_is_added_as_flax_adds_it(layer):
             assert got.shape == expected.shape and got.dtype == expected.dtype, (policy, residual)
             err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - expected.astype(jnp.float32))))
             assert err <= bound + 2.0**-8 * float(jnp.max(jnp.abs(expected.astype(jnp.float32)))), (policy, err)
+
+
+@pytest.mark.parametrize("layer", ["Dense", "MLP"])
+def test_complex_layers_compute_like_flax(layer):
+    """flax.linen.Dense promotes any inexact type (complex x, or a complex param_dtype);
+    ours refused complex operands ('floating-point operands only'). Complex layers are
+    jnp's computation: flax's values, to f32 rounding."""
+    import jax_hopper.nn as jhnn
+
+    kx, kp = jax.random.split(jax.random.key(9))
+    x = jax.random.normal(kx, (BATCH, D_IN), jnp.float32) + 1j * jax.random.normal(kp, (BATCH, D_IN), jnp.float32)
+
+    class TwoDense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(D_IN, name="Dense_1")(nn.Dense(D_HIDDEN, name="Dense_0")(x))
+
+    for inputs, kw in ((x.astype(jnp.complex64), {}), (x.real, {"param_dtype": jnp.complex64})):
+        if layer == "Dense":
+            ours, plain = jhnn.Dense(D_IN, **kw), nn.Dense(D_IN, **kw)
+        else:
+            ours, plain = jhnn.MLP(D_HIDDEN, activation=None, **kw), TwoDense()
+            if kw:
+                continue  # TwoDense has no param_dtype to share
+        params = plain.init(kp, inputs)
+        got, want = ours.apply(params, inputs), plain.apply(params, inputs)
+        assert got.dtype == want.dtype == jnp.complex64
+        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5  # complex: no f32 cast
