@@ -120,6 +120,14 @@ def test_a_nan_or_inf_in_an_f16_cotangent_stays_where_jnp_has_it():
     assert float(err) <= 2**-9, float(err)
 
 
+def _f32_product_vjp(matmul, a, b, ct):
+    """The gradients of matmul(a, b) with an f32 result, for the cotangent ct."""
+    def f32_product(x, y):
+        return matmul(x, y, preferred_element_type=jnp.float32)
+
+    return jax.jit(lambda a, b, c: jax.vjp(f32_product, a, b)[1](c))(a, b, ct)
+
+
 def test_an_f32_cotangent_of_bf16_products_keeps_16_bits():
     """bf16 x bf16 -> f32: the cotangent is split into two bf16 parts (16 bits together,
     more than the 11 of jax's TF32 product on the GPU). Rounded to bf16 alone, a
@@ -129,13 +137,7 @@ def test_an_f32_cotangent_of_bf16_products_keeps_16_bits():
     b = jnp.ones((2, 2), jnp.bfloat16)
     ct = jnp.array([[1 + 2**-10, -1.0], [jnp.inf, 1.0]], jnp.float32)
 
-    def vjp(matmul):
-        def f32_product(x, y):
-            return matmul(x, y, preferred_element_type=jnp.float32)
-
-        return jax.jit(lambda a, b, c: jax.vjp(f32_product, a, b)[1](c))(a, b, ct)
-
-    ours, theirs = vjp(jax_hopper.matmul), vjp(jnp.matmul)
+    ours, theirs = _f32_product_vjp(jax_hopper.matmul, a, b, ct), _f32_product_vjp(jnp.matmul, a, b, ct)
     for got, want in zip(ours, theirs):
         assert got.dtype == want.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
@@ -150,13 +152,7 @@ def test_a_finite_f32_cotangent_past_bf16s_range_gives_a_finite_gradient():
     ct = jnp.full((2, 3), 3.4e38, jnp.float32)
     ct = ct.at[1, 1].set(-3.4e38)
 
-    def vjp(matmul):
-        def f32_product(x, y):
-            return matmul(x, y, preferred_element_type=jnp.float32)
-
-        return jax.jit(lambda a, b, c: jax.vjp(f32_product, a, b)[1](c))(a, b, ct)
-
-    ours, theirs = vjp(jax_hopper.matmul), vjp(jnp.matmul)
+    ours, theirs = _f32_product_vjp(jax_hopper.matmul, a, b, ct), _f32_product_vjp(jnp.matmul, a, b, ct)
     for got, want in zip(ours, theirs):
         assert bool(jnp.all(jnp.isfinite(want.astype(jnp.float32))))  # the premise
         assert got.dtype == want.dtype == jnp.bfloat16
