@@ -149,12 +149,14 @@ def padded_spec(sharding, ndim) -> tuple:
 
 def output_sharding(a, b, transpose_a, transpose_b):
     """The result's sharding in the avals' type system (explicit mesh axes): batch,
-    leading dims and M as `a` has them, N as `b` has it, jnp.dot's rule. N is replicated
-    where its mesh axes already shard another dim of the result, as _plan computes it
-    (jax's public rule refuses that product, and ops runs jax's check first; a backward
-    product meets it, e.g. FSDP's dx = dy w^T with dy's rows and w's K on one axis, and
-    then takes the operand's sharding as jax's transpose does). None where avals carry
-    none."""
+    leading dims and M as `a` has them, N as `b` has it (jnp.dot's rule); None where the
+    avals carry none.
+
+    N is replicated where its mesh axes already shard another dim of the result, which
+    is what the per-device plan (_plan) computes. jax's public rule refuses such a
+    product, and ops runs jax's check first, so only a backward product meets it: FSDP's
+    dx = dy w^T, with dy's rows and w's K on one axis, whose result _autodiff then
+    reshards to the operand's type as jax's transpose does."""
     mesh = explicit_mesh(a, b)
     if mesh is None:
         return None  # no sharding in the type system: the result's aval carries none either
@@ -193,10 +195,11 @@ def explicit_spec(aval) -> tuple:
 
 
 def _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b, result_shape=None):
-    """(plan, (a, b, result shardings)) for the operands' shardings. Where one mesh axis
-    shards both M and N and the partitioner chose N for the result (`result_shape`'s
-    sharding: Shardy picks the larger dim, as for jnp.dot), N keeps it and M is gathered,
-    not the larger operand gathered and the result reshuffled."""
+    """(plan, (a, b, result shardings)) for the operands' shardings. N's axes are taken
+    before M's where the partitioner's result (`result_shape`) shards N and not M: with
+    one mesh axis on both, Shardy gives it to the larger dim, as for jnp.dot, and the plan
+    follows (M gathered) rather than gathering the larger operand and reshuffling the
+    result. (An axis shared with only part of M's axes is not followed: an all-to-all.)"""
     a, b = arg_shapes[0], arg_shapes[1]
     a_sharding, b_sharding = _on_mesh(a.sharding, mesh), _on_mesh(b.sharding, mesh)
     n_first = False

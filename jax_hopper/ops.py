@@ -336,7 +336,7 @@ def _multiplied_as_floats(x, w) -> bool:
 def _promote(a, b, preferred_element_type):
     """Both operands in jnp's promoted type, or None where jnp's own function must run:
     a weakly typed result (both operands weak: jax's function keeps that); mixed operand
-    types with a preferred_element_type other than their promoted type; a conversion
+    types that lax's conversion to preferred_element_type would round; a conversion
     that would change a value (jnp does not convert: lax.dot_general takes the operands
     as given, so int16 against bf16 keeps 257 where bf16 has 256); or a non-floating
     preferred_element_type (lax converts mixed operands to it first); a pair that jax does
@@ -356,10 +356,11 @@ def _promote(a, b, preferred_element_type):
         return None
     if not _converts_exactly(dtype, a, b):
         return None
-    if (preferred_element_type is not None and jnp.dtype(preferred_element_type) != dtype
-            and jnp.result_type(a) != jnp.result_type(b)):
+    if (preferred_element_type is not None and jnp.result_type(a) != jnp.result_type(b)
+            and not _converts_exactly(jnp.dtype(preferred_element_type), a, b)):
         # lax converts mixed operands to the result type before the product (on CPU and
         # GPU): bf16 x f32 with a bf16 result multiplies the f32 operand rounded to bf16.
+        # Where that conversion is exact (f16 x int8 -> f32) the values are ours.
         return None
     # The pair's type is strong here, so a weak operand of it becomes strong (no value changes).
     return tuple(x if isinstance(x, jax.Array) and x.dtype == dtype and not jax.typeof(x).weak_type
@@ -388,9 +389,9 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
     ``accumulation="f16"``: see ``dot_general``.
 
     2-D operands: C = A @ B. Leading dims of `a` against a 2-D `b` fold into M (one
-    plain GEMM); batch dims follow jnp.matmul's decomposition (_matmul_as_dot_general):
-    one batched launch over the shared ones, a broadcast one a free dim of the other
-    operand.
+    plain GEMM); batch dims: one batched launch over the shared ones; one that only `a`
+    has is folded into M (jnp.matmul's decomposition, _matmul_as_dot_general); one that
+    only `b` has broadcasts `a` (_matmul_broadcast).
     """
     _check_accumulation_value("matmul", accumulation)
     fn = functools.partial(jnp.matmul, precision=precision, preferred_element_type=preferred_element_type)
@@ -408,20 +409,64 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
     return _matmul_as_dot_general(a, b, functools.partial(dot_general, **kw))
 
 
+def _broadcast_batch(x, batch, specs):
+    """x [..., R, C] broadcast to [*batch, R, C]. Through x's type widened to f32: the
+    transpose (x's gradient) then sums the per-batch gradients in f32 and rounds once,
+    where a 16-bit reduce_sum over a long batch lost bits (7x jnp's error at 1024). Under
+    explicit mesh axes the copy takes the batch dims' shardings `specs` (the other
+    operand's), so the batched product keeps them."""
+    if tuple(x.shape[:-2]) == tuple(batch):
+        return x
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    y = jnp.broadcast_to(x.astype(wide), tuple(batch) + x.shape[-2:]).astype(x.dtype)
+    own = _explicit_spec(x)
+    if own is not None and any(specs):
+        y = jax.sharding.reshard(y, jax.sharding.PartitionSpec(*specs, *own[-2:]))
+    return y
+
+
+def _matmul_broadcast(a, b, dot_general_fn):
+    """matmul where `b` has batch dims that `a` lacks (or has as 1): both broadcast to
+    the common batch, one batched launch. jnp.matmul's decomposition (b's extra batch
+    dims as free dims of b, beside N) would need b transposed to [K, batch * N] before
+    our kernel (a copy of b; under Auto axes a sharded N gathered)."""
+    a_vec, b_vec = a.ndim == 1, b.ndim == 1
+    a2 = a[None, :] if a_vec else a
+    b2 = b[:, None] if b_vec else b
+    batch = tuple(jnp.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
+    nb = len(batch)
+
+    def batch_specs(x):
+        spec = _explicit_spec(x)
+        spec = (None,) * (x.ndim - 2) if spec is None else tuple(spec[:-2])
+        return (None,) * (nb - len(spec)) + spec
+
+    specs = tuple(sa if sa is not None else sb for sa, sb in zip(batch_specs(a2), batch_specs(b2)))
+    a2, b2 = _broadcast_batch(a2, batch, specs), _broadcast_batch(b2, batch, specs)
+    out = dot_general_fn(a2, b2, (((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb)))))
+    if a_vec:
+        out = jnp.squeeze(out, axis=-2)
+    if b_vec:
+        out = jnp.squeeze(out, axis=-1)
+    return out
+
+
 def _definitely_equal(x, y) -> bool:
-    """x == y for every value of symbolic dims (jax.export): False where undecided."""
+    """x == y for every value of symbolic dims (jax.export): False where undecided (what
+    jnp.matmul asks of a batch dim)."""
     try:
         return bool(x == y)
-    except Exception:  # noqa: BLE001 -- jax's InconclusiveDimensionOperation
+    except jax.errors.InconclusiveDimensionOperation:
         return False
 
 
 def _matmul_as_dot_general(a, b, dot_general_fn):
-    """jnp.matmul's own decomposition into one dot_general: a batch dim present in both
-    operands (same size and sharding) is a batch dim of the product; one that is missing
-    or of size 1 in an operand is a free dim of the other (no broadcast copy: the
-    product, and its gradient, sum over it in one contraction, and its sharding stays);
-    size-1 dims of both are squeezed and restored."""
+    """jnp.matmul's own decomposition into one dot_general where `a` holds every batch
+    dim: a batch dim present in both operands (same size and sharding) is a batch dim of
+    the product; one of `a`'s that `b` lacks or has as 1 is a free dim of `a`, folded
+    into M (no broadcast copy of b: b's gradient sums over it in one contraction, and
+    a's sharding of it stays); size-1 dims of both are squeezed and restored. Where `b`
+    has batch dims `a` lacks: _matmul_broadcast."""
     a_is_mat, b_is_mat = a.ndim > 1, b.ndim > 1
     a_dims = a.shape[:-2] if a_is_mat else ()
     b_dims = b.shape[:-2] if b_is_mat else ()
@@ -458,6 +503,8 @@ def _matmul_as_dot_general(a, b, dot_general_fn):
             idx_batch.append(i)
         else:  # jnp's check (_check) refuses these first
             raise ValueError(f"Incompatible types for matmul arguments: {jax.typeof(a)} and {jax.typeof(b)}")
+    if idx_b_other:  # b's own batch dims beside N (see _matmul_broadcast)
+        return _matmul_broadcast(a, b, dot_general_fn)
     if a_is_mat:
         idx_a_other.append(nb)
     if b_is_mat:

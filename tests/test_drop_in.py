@@ -7,6 +7,8 @@ lax.dot_general (cuBLAS) on the same inputs.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,12 +106,16 @@ def test_other_dtypes_are_computed_by_jax(dtypes, preferred):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
 
 
-def test_mixed_16_bit_and_integer_promotes_like_jnp_and_runs_the_kernel():
+@pytest.mark.parametrize("preferred", [None, jnp.float32])
+def test_mixed_16_bit_and_integer_promotes_like_jnp_and_runs_the_kernel(preferred):
+    """int8 converts exactly to f16 (and to an f32 result type, lax's conversion), so the
+    product is ours either way."""
     a = jnp.ones((16, 32), jnp.float16)
     b = jnp.ones((32, 8), jnp.int8)
-    text = jax.jit(jax_hopper.dot).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    fn = functools.partial(jax_hopper.dot, preferred_element_type=preferred)
+    text = jax.jit(fn).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @jax_hopper_gemm" in text
-    assert jax_hopper.dot(a, b).dtype == jnp.dot(a, b).dtype == jnp.float16
+    assert fn(a, b).dtype == jnp.dot(a, b, preferred_element_type=preferred).dtype == (preferred or jnp.float16)
 
 
 @pytest.mark.parametrize("x,w,preferred", [
@@ -280,14 +286,17 @@ def test_matmul_with_a_scalar_raises_jnp_error():
             jax_hopper.matmul(x, scalar)
 
 
-@pytest.mark.parametrize("a_shape,b_shape", [((16, 24), (64, 24, 8)), ((64, 16, 24), (24, 8)),
-                                             ((1, 16, 24), (64, 24, 8)), ((24,), (64, 24, 8)),
-                                             ((4, 1, 16, 24), (1, 16, 24, 8))])
+@pytest.mark.parametrize("a_shape,b_shape", [((16, 24), (1024, 24, 8)), ((1024, 16, 24), (24, 8)),
+                                             ((1, 16, 24), (1024, 24, 8)), ((24,), (1024, 24, 8)),
+                                             ((256, 1, 16, 24), (1, 16, 24, 8)), ((1024, 16, 24), (1, 24, 8))])
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
-def test_matmul_gradients_over_a_broadcast_batch_sum_once_like_jnp(a_shape, b_shape, policy):
-    """matmul(W, x [B, K, N]): jnp makes B a free dim of x, so W's gradient sums over B
-    inside one product (one rounding). Broadcasting W to [B, M, K] first summed B f16
-    gradients, each rounded, in a reduce_sum: 7x jnp's error (B = 1024)."""
+def test_matmul_gradients_over_a_broadcast_batch_stay_rounding_level(a_shape, b_shape, policy):
+    """matmul(W, x [B, K, N]): W is broadcast over B, and its gradient sums B per-batch
+    gradients. Summed in f16 (the broadcast's transpose in W's type) that was 7x jnp's
+    error at B = 1024; summed in f32 and rounded once, each term carries one 16-bit
+    rounding of its own: two roundings where jnp's one contraction has one, at most
+    double its error. Where only x has B (x [B, M, K] @ W [1, K, N]), B folds into M as
+    in jnp (W is not broadcast) and W's gradient is one contraction."""
     ka, kb, kc = jax.random.split(jax.random.key(17), 3)
     a, b = _random(ka, a_shape, jnp.float16), _random(kb, b_shape, jnp.float16)
     ct = _random(kc, jnp.matmul(a, b).shape, jnp.float16)
@@ -302,8 +311,7 @@ def test_matmul_gradients_over_a_broadcast_batch_sum_once_like_jnp(a_shape, b_sh
     exact = grads(lambda x, y: jnp.matmul(x, y, precision="highest"), a.astype(jnp.float32), b.astype(jnp.float32))
     for g_ours, g_theirs, g_exact in zip(ours, theirs, exact):
         assert g_ours.shape == g_theirs.shape and g_ours.dtype == g_theirs.dtype
-        # each a sum of f16 products in f32, rounded once to f16, like jnp's
-        assert relative_error(g_ours, g_exact) <= 1.5 * relative_error(g_theirs, g_exact) + 2**-12
+        assert relative_error(g_ours, g_exact) <= 2 * relative_error(g_theirs, g_exact)
 
 
 def test_mixed_operands_with_a_narrower_result_type_round_like_jnp():

@@ -583,21 +583,22 @@ def test_explicit_mesh_gradients_with_a_sharded_contraction_in_the_backward(poli
 
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
 def test_explicit_matmul_against_a_batch_it_broadcasts_over_keeps_the_batch_sharding(policy):
-    """W [M, K] @ x [B@x, K, N]: jnp makes B a free dim of x (no broadcast of W), so the
-    result keeps x's batch sharding with no collective; broadcasting W to [B, M, K] first
-    gave a replicated result and an all-gather."""
+    """W [M, K] (or a vector [K]) @ x [B@x, K, N]: the result keeps x's batch sharding
+    with no collective, as jnp's. W broadcast to [B, M, K] as a replicated copy gave a
+    replicated result and an all-gather."""
     mm = mesh(AxisType.Explicit)
     with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
-        w = jax.device_put(_random(jax.random.key(90), (M, K)), NamedSharding(mm, P()))
         x = jax.device_put(_random(jax.random.key(91), (B, K, N)), NamedSharding(mm, P("x", None, None)))
-        with jax_hopper.dispatch(policy):
-            f = jax.jit(jax_hopper.matmul)
-            ours, text = f(w, x), f.lower(w, x).compile().as_text()
-        ref_f = jax.jit(jnp.matmul)
-        ref = ref_f(w, x)
-        assert jax.typeof(ours) == jax.typeof(ref), (jax.typeof(ours), jax.typeof(ref))
-        assert _collectives(text) == _collectives(ref_f.lower(w, x).compile().as_text())
-        assert relative_error(ours, ref.astype(jnp.float32)) <= 2**-9
+        for w_shape in ((M, K), (K,)):
+            w = jax.device_put(_random(jax.random.key(90), w_shape), NamedSharding(mm, P()))
+            with jax_hopper.dispatch(policy):
+                f = jax.jit(jax_hopper.matmul)
+                ours, text = f(w, x), f.lower(w, x).compile().as_text()
+            ref_f = jax.jit(jnp.matmul)
+            ref = ref_f(w, x)
+            assert jax.typeof(ours) == jax.typeof(ref), (jax.typeof(ours), jax.typeof(ref))
+            assert _collectives(text) == _collectives(ref_f.lower(w, x).compile().as_text())
+            assert relative_error(ours, ref.astype(jnp.float32)) <= 2**-9
 
 
 OUR_CUSTOM_CALLS = ("jax_hopper_gemm", "jax_hopper_gemm_fused", "jax_hopper_gemm_fused_grad",
