@@ -425,6 +425,14 @@ def _broadcast_batch(x, batch, specs):
     return y
 
 
+def _batch_specs(x, count):
+    """The explicit-axes shardings of x's batch dims (those before its last two; none for
+    a vector), right-aligned to `count` batch dims as matmul broadcasts them."""
+    spec = _explicit_spec(x) if x.ndim > 1 else None
+    spec = (None,) * max(x.ndim - 2, 0) if spec is None else tuple(spec[:-2])
+    return (None,) * (count - len(spec)) + spec
+
+
 def _matmul_broadcast(a, b, dot_general_fn):
     """matmul where `b` has batch dims that `a` lacks (or has as 1): both broadcast to
     the common batch, one batched launch. jnp.matmul's decomposition (b's extra batch
@@ -436,12 +444,7 @@ def _matmul_broadcast(a, b, dot_general_fn):
     batch = tuple(jnp.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
     nb = len(batch)
 
-    def batch_specs(x):
-        spec = _explicit_spec(x)
-        spec = (None,) * (x.ndim - 2) if spec is None else tuple(spec[:-2])
-        return (None,) * (nb - len(spec)) + spec
-
-    specs = tuple(sa if sa is not None else sb for sa, sb in zip(batch_specs(a2), batch_specs(b2)))
+    specs = tuple(sa if sa is not None else sb for sa, sb in zip(_batch_specs(a2, nb), _batch_specs(b2, nb)))
     a2, b2 = _broadcast_batch(a2, batch, specs), _broadcast_batch(b2, batch, specs)
     out = dot_general_fn(a2, b2, (((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb)))))
     if a_vec:
@@ -474,12 +477,7 @@ def _matmul_as_dot_general(a, b, dot_general_fn):
     a_dims = (None,) * (nb - len(a_dims)) + a_dims
     b_dims = (None,) * (nb - len(b_dims)) + b_dims
 
-    def batch_specs(x, is_mat, count):
-        spec = _explicit_spec(x) if is_mat else None
-        spec = tuple(spec[:-2]) if spec is not None else (None,) * (x.ndim - 2 if is_mat else 0)
-        return (None,) * (count - len(spec)) + spec
-
-    a_specs, b_specs = batch_specs(a, a_is_mat, nb), batch_specs(b, b_is_mat, nb)
+    a_specs, b_specs = _batch_specs(a, nb), _batch_specs(b, nb)
     a_squeeze, b_squeeze, both_squeeze, a_batch, b_batch = [], [], [], [], []
     idx_batch, idx_a_other, idx_b_other = [], [], []
     for i, (ba, bb, sa, sb) in enumerate(zip(a_dims, b_dims, a_specs, b_specs)):
