@@ -162,8 +162,17 @@ def _aval(x):
 
 
 def _sharding_of(x):
-    """The sharding in x's type."""
-    return getattr(_aval(x), "sharding", None)
+    """The sharding in x's type. A type with no mesh (an array made before entering the
+    mesh context) counts as replicated over the current mesh, as in jax's own dot rule:
+    its gradient's product, typed with the empty mesh, was refused where it contracts a
+    sharded dim."""
+    aval = _aval(x)
+    sharding = getattr(aval, "sharding", None)
+    if getattr(getattr(sharding, "mesh", None), "empty", False):
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty:
+            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * aval.ndim))
+    return sharding
 
 
 def _in_type_of(y, like):

@@ -673,6 +673,54 @@ def test_explicit_fsdp_layout_gradients_follow_jnp(policy):
                 assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
 
 
+MESHLESS_WEIGHT_CASES = {  # name: (x shape, x spec, which of w1, b1, w2 are sharded (w1 spec, b1 spec))
+    "data_parallel": ((M, K), P("x"), None),
+    "sequence_sharded": ((B, M, K), P(None, "x"), None),
+    "rows_and_k_sharded": ((M, K), P("x", "y"), None),
+    "first_layer_on_y": ((M, K), P("x"), (P(None, "y"), P("y"))),
+}
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+@pytest.mark.parametrize("case", sorted(MESHLESS_WEIGHT_CASES))
+def test_explicit_gradients_of_weights_without_a_mesh_follow_jnp(case, policy):
+    """Weights made before entering the mesh (no mesh in their type) next to x sharded on
+    explicit axes: jax types them replicated over the current mesh, and so their
+    gradients. Ours typed dW's product with the empty mesh: contracting a sharded dim
+    was refused (ShardingTypeError), or dW came back sharded unlike its weight."""
+    x_shape, x_spec, first_layer = MESHLESS_WEIGHT_CASES[case]
+    w1, b1 = _random(jax.random.key(80), (K, N)), _random(jax.random.key(81), (N,))
+    w2, b2 = _random(jax.random.key(82), (N, K)), _random(jax.random.key(83), (K,))
+    mm = mesh(AxisType.Explicit)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        x = jax.device_put(_random(jax.random.key(84), x_shape), NamedSharding(mm, x_spec))
+        if first_layer is not None:
+            w1, b1 = (jax.device_put(v, NamedSharding(mm, s)) for v, s in zip((w1, b1), first_layer))
+        layers = [
+            (lambda x, w1: jax_hopper.matmul(x, w1), lambda x, w1: x @ w1, (x, w1)),
+            (lambda x, w1, b1: jax_hopper.dense(x, w1, b1, activation="gelu_tanh"),
+             lambda x, w1, b1: jax.nn.gelu(x @ w1 + b1), (x, w1, b1)),
+            (lambda *a: jax_hopper.mlp(*a, activation="gelu_tanh"),
+             lambda x, w1, b1, w2, b2: jax.nn.gelu(x @ w1 + b1) @ w2 + b2, (x, w1, b1, w2, b2)),
+        ]
+        for f, ref_f, args in layers:
+            def loss(f):  # a fixed random cotangent: gradients far from f16's range
+                def value(*a):
+                    y = f(*a).astype(jnp.float32)
+                    return jnp.sum(y * jax.random.normal(jax.random.key(85), y.shape, jnp.float32))
+                return value
+
+            argnums = tuple(range(len(args)))
+            with jax_hopper.dispatch(policy):
+                ours = jax.jit(jax.grad(loss(f), argnums=argnums))(*args)
+            ref = jax.jit(jax.grad(loss(ref_f), argnums=argnums))(*args)
+            for go, gr in zip(ours, ref):
+                assert jax.typeof(go) == jax.typeof(gr), (jax.typeof(go), jax.typeof(gr))
+                # f16 gradients of f16 products (K, N <= 128 terms, B * M rows summed in
+                # f32): a few f16 roundings
+                assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
+
+
 def test_explicit_dense_residual_sharded_unlike_the_product_gets_jnps_type():
     """act(x @ w) + r with r sharded unlike x @ w: jnp's sum combines the shardings; the
     fused kernel's result type is x @ w's, so that layer runs jnp's computation."""
