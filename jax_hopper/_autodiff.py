@@ -72,6 +72,7 @@ F16_SCALED_EXPONENT = 15
 # capped at 126 so that 2^-s stays a normal f32 (a cotangent below 2^-111 is then not
 # scaled all the way up, and still rounds to f16 without overflow).
 MAX_SCALE_EXPONENT = 126
+F16_SMALLEST_SUBNORMAL = 2.0**-24
 
 
 def _pow2(e):
@@ -85,7 +86,13 @@ def _scaled_to_f16(ct):
     the scale of the finite entries past 65504. An empty ct gets s = 15."""
     _, e = jnp.frexp(jnp.max(jnp.where(jnp.isfinite(ct), jnp.abs(ct), 0), initial=0.0))  # max < 2^e
     s = jnp.minimum(F16_SCALED_EXPONENT - e, MAX_SCALE_EXPONENT)
-    return (ct * _pow2(s)).astype(jnp.float16), _pow2(-s)
+    c16 = (ct * _pow2(s)).astype(jnp.float16)
+    # A non-zero entry that rounded to 0 (below 2^-25 after scaling, about 2^-39 of the
+    # largest) becomes f16's smallest subnormal with its sign: against an inf of the other
+    # operand jax's product gives inf, where 0 * inf is nan. Its error, under 2^-24 after
+    # scaling, is no larger than the rounding of the entries just above it.
+    c16 = jnp.where((c16 == 0) & (ct != 0), jnp.copysign(F16_SMALLEST_SUBNORMAL, ct).astype(jnp.float16), c16)
+    return c16, _pow2(-s)
 
 
 def _gradient(ct, other, product, dtype):
@@ -111,7 +118,12 @@ def _gradient(ct, other, product, dtype):
             # An inf or nan entry is all in hi (inf - inf would put a nan in lo).
             lo = jnp.where(jnp.isfinite(hi), c - hi, 0)
             hi, lo = hi.astype(dtype), lo.astype(dtype)  # hi exactly
-            return (product(hi, o, jnp.float32) + product(lo, o, jnp.float32)).astype(dtype)
+            p_hi = product(hi, o, jnp.float32)
+            total = p_hi + product(lo, o, jnp.float32)
+            # A nan only the low part brought (its 0 against an inf of the other operand, or
+            # its opposite sign against an overflowed high product) is not in jax's one f32
+            # product, which gives the high part's inf there.
+            return jnp.where(jnp.isnan(total) & ~jnp.isnan(p_hi), p_hi, total).astype(dtype)
         c16, undo = _scaled_to_f16(c)
         return (product(c16, o, jnp.float32) * undo).astype(dtype)
 

@@ -100,7 +100,11 @@ def _kernel_eligible(lhs, rhs, out_dtype, precision, abstract_ok=False) -> bool:
     if not (_is_array(lhs, abstract_ok) and _is_array(rhs, abstract_ok) and _constant_shapes(lhs, rhs)):
         return False
     same_kernel_type = lhs.dtype == rhs.dtype and lhs.dtype in KERNEL_DTYPES
-    return same_kernel_type and out_dtype in (lhs.dtype, F32) and _plain_precision(precision)
+    # An f32 result's derivative rounds its f32 cotangent to the 16-bit type (_autodiff);
+    # an explicit precision, or jax_default_matmul_precision, asks for jax's f32 products.
+    f32_cotangent_rounds = _default_precision(precision) and jax.config.jax_default_matmul_precision is None
+    return (same_kernel_type and (out_dtype == lhs.dtype or (out_dtype == F32 and f32_cotangent_rounds))
+            and _plain_precision(precision))
 
 
 def _index_tuples(dimension_numbers):

@@ -144,6 +144,64 @@ def test_an_f32_cotangent_of_bf16_products_keeps_16_bits():
     assert float(ours[0][0, 0]) == 2**-10
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_an_inf_in_the_other_operand_gives_jnps_inf_not_nan(dtype):
+    """An f32 cotangent against an inf of the other operand: jax's one f32 product gives
+    inf wherever the cotangent entry is non-zero. Ours multiplied the inf by a zero the
+    rounding made: the bf16 split's low part (0 for a cotangent exact in bf16, or of the
+    other sign: inf - inf), an f16 entry below 2^-39 of the largest flushed by the
+    scale. Both gave nan."""
+    a = jnp.array([[1.0, 2.0], [3.0, 4.0]], dtype)
+    b = jnp.array([[jnp.inf, 1.0], [1.0, -jnp.inf]], dtype)
+    # Exact in bf16; 1 + 2^-9 - 2^-20 splits into a high part 1 + 2^-8 and a negative low
+    # part; 1e-13 is below 2^-39 of 1.
+    ct = jnp.array([[1.0, 1e-13], [1 + 2**-9 - 2**-20, 1.0]], jnp.float32)
+    ours, theirs = _f32_product_vjp(jax_hopper.matmul, a, b, ct), _f32_product_vjp(jnp.matmul, a, b, ct)
+    for got, want in zip(ours, theirs):
+        assert got.dtype == want.dtype == dtype
+        np.testing.assert_array_equal(jnp.isnan(got), jnp.isnan(want))
+        np.testing.assert_array_equal(jnp.isposinf(got), jnp.isposinf(want))
+        np.testing.assert_array_equal(jnp.isneginf(got), jnp.isneginf(want))
+    assert bool(jnp.all(jnp.isinf(ours[0])))  # the premise: every row of dA meets an inf
+
+
+def test_an_overflowing_bf16_gradient_is_inf_as_jnps():
+    """bf16 x bf16 -> f32 whose gradient overflows f32: jax's product gives inf; the high
+    part's product overflowed to inf and the low part's, of the other sign, to -inf: nan."""
+    a = jnp.array([[3e38]], jnp.bfloat16)
+    b = jnp.array([[1.0]], jnp.bfloat16)
+    ct = jnp.array([[1e30]], jnp.float32)
+    ours, theirs = _f32_product_vjp(jax_hopper.matmul, a, b, ct), _f32_product_vjp(jnp.matmul, a, b, ct)
+    assert bool(jnp.isposinf(theirs[1][0, 0]))  # the premise
+    np.testing.assert_array_equal(np.asarray(ours[1], np.float32), np.asarray(theirs[1], np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("how", ["argument", "config"])
+def test_an_explicit_precision_keeps_jaxs_f32_cotangent(dtype, how):
+    """An f32 result at precision HIGHEST (an argument, or jax_default_matmul_precision):
+    jax multiplies the f32 cotangent in f32. Ours rounded it to 16-bit parts on the
+    kernel's path. f16: 1536 rows of 1 + 0.49 * 2^-10 summed to 1536 (jnp: 1537 in f16).
+    bf16 (two parts, 16 bits): 1 + 2^-9 + 2^-20 against -(1 + 2^-9) summed to 0 (jnp:
+    2^-20)."""
+    if dtype == jnp.float16:
+        ct = jnp.full((1536, 1), 1 + 0.49 * 2**-10, jnp.float32)  # f16(ct) == 1
+    else:
+        ct = jnp.array([[1 + 2**-9 + 2**-20], [-(1 + 2**-9)]], jnp.float32)
+    a = jnp.ones((ct.shape[0], 1), dtype)
+    b = jnp.ones((1, 1), dtype)
+    kw = {"precision": "highest"} if how == "argument" else {}
+
+    def db(dot):
+        f = lambda a, b: dot(a, b, preferred_element_type=jnp.float32, **kw)  # noqa: E731
+        return jax.jit(lambda a, b, c: jax.vjp(f, a, b)[1](c)[1])(a, b, ct)
+
+    with jax.default_matmul_precision("highest") if how == "config" else jax_hopper.dispatch("kernel"):
+        ours, theirs = db(jax_hopper.dot), db(jnp.dot)
+    assert float(theirs[0, 0]) > float(jnp.sum(ct.astype(dtype).astype(jnp.float32)))  # the premise: jax keeps them
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32))
+
+
 def test_a_finite_f32_cotangent_past_bf16s_range_gives_a_finite_gradient():
     """A finite f32 cotangent entry above bf16's largest value (3.39e38) rounded to inf in
     the high part (and put nothing in the low one): dA was inf where jnp's is 2.55e38."""
