@@ -72,7 +72,6 @@ F16_SCALED_EXPONENT = 15
 # capped at 126 so that 2^-s stays a normal f32 (a cotangent below 2^-111 is then not
 # scaled all the way up, and still rounds to f16 without overflow).
 MAX_SCALE_EXPONENT = 126
-F16_SMALLEST_SUBNORMAL = 2.0**-24
 
 
 def _pow2(e):
@@ -86,13 +85,7 @@ def _scaled_to_f16(ct):
     the scale of the finite entries past 65504. An empty ct gets s = 15."""
     _, e = jnp.frexp(jnp.max(jnp.where(jnp.isfinite(ct), jnp.abs(ct), 0), initial=0.0))  # max < 2^e
     s = jnp.minimum(F16_SCALED_EXPONENT - e, MAX_SCALE_EXPONENT)
-    c16 = (ct * _pow2(s)).astype(jnp.float16)
-    # A non-zero entry that rounded to 0 (below 2^-25 after scaling, about 2^-39 of the
-    # largest) becomes f16's smallest subnormal with its sign: against an inf of the other
-    # operand jax's product gives inf, where 0 * inf is nan. Its error, under 2^-24 after
-    # scaling, is no larger than the rounding of the entries just above it.
-    c16 = jnp.where((c16 == 0) & (ct != 0), jnp.copysign(F16_SMALLEST_SUBNORMAL, ct).astype(jnp.float16), c16)
-    return c16, _pow2(-s)
+    return (ct * _pow2(s)).astype(jnp.float16), _pow2(-s)
 
 
 def _gradient(ct, other, product, dtype):
@@ -185,6 +178,11 @@ def _sharding_of(x):
         if not mesh.empty:
             return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * aval.ndim))
     return sharding
+
+
+def _explicitly_typed(x) -> bool:
+    """Whether x's own type names explicit mesh axes (a type with no mesh does not)."""
+    return is_explicit(getattr(_aval(x), "sharding", None))
 
 
 def _in_type_of(y, like):
@@ -295,7 +293,7 @@ def derivative_kind_runs(x, w, b, activation) -> bool:
     if activation is None:
         return False
     problem = _dispatch.problem_of((math.prod(x.shape[:-1]), x.shape[-1]), w.shape, x.dtype, x.dtype, False, False)
-    explicit = any(is_explicit(_sharding_of(v)) for v in (x, w, b) if v is not None)
+    explicit = any(_explicitly_typed(v) for v in (x, w, b) if v is not None)
     return not explicit and _dispatch.choose_dense_with_derivative(problem, activation)[0] == "kernel"
 
 

@@ -52,15 +52,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_hopper import _dispatch
 from jax_hopper._autodiff import (
     _contracting_leading_dims,
+    _explicitly_typed,
     _product,
-    _sharding_of,
     activation_and_derivative,
     saved_derivative_choice,
 )
 from jax_hopper._fallback import ACTIVATION_FNS, row_sum
 from jax_hopper._fused import fused_activation_grad
 from jax_hopper._primitive import PRODUCT_NAME, _varying_axes
-from jax_hopper._sharding import is_explicit
 
 
 def _dense(x, w, b, activation=None, residual=None):
@@ -79,7 +78,7 @@ def _hidden_cotangent(dy, w2, kept, activation, derivative, bias_grad):
     if activation is not None:
         rows = math.prod(dy.shape[:-1])
         problem = _dispatch.problem_of((rows, dy.shape[-1]), w2.shape, dy.dtype, dy.dtype, False, True)
-        explicit = any(is_explicit(_sharding_of(v)) for v in (dy, w2, kept))
+        explicit = any(_explicitly_typed(v) for v in (dy, w2, kept))
         if not explicit and _dispatch.choose_activation_grad(problem, activation, bias_grad=bias_grad)[0] == "kernel":
             # Inside shard_map, db1 by XLA: the primitive types db without manual axes (_fused).
             fuse_db = bias_grad and not _varying_axes(dy)

@@ -286,9 +286,12 @@ def _sharding_rule(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, va
 
 
 def _explicit_operands(ctx) -> bool:
-    """Operands typed with explicit mesh axes, outside any shard_map (inside a partly
-    manual one, _partly_manual decides)."""
-    shardings = [getattr(aval, "sharding", None) for aval in ctx.avals_in]
+    """The product's operands (the first two) typed with explicit mesh axes, outside any
+    shard_map (inside a partly manual one, _partly_manual decides). A fused layer's bias
+    or residual alone does not count: with x and w meshless (ops gives such a layer with a
+    typed bias or residual to jnp) it is the empty stand-in for an absent one, which
+    jnp.zeros types with the current mesh."""
+    shardings = [getattr(aval, "sharding", None) for aval in ctx.avals_in[:2]]
     return any(is_explicit(s) and AxisType.Manual not in s.mesh.axis_types for s in shardings)
 
 

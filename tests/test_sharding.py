@@ -721,6 +721,46 @@ def test_explicit_gradients_of_weights_without_a_mesh_follow_jnp(case, policy):
                 assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
 
 
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+def test_explicit_mesh_context_with_no_operand_on_it_runs_like_jnp(policy):
+    """Under an explicit mesh, a layer whose operands all have no mesh in their type: the
+    empty stand-in for an absent bias or residual (jnp.zeros) took the mesh's type, so the
+    fused layer lowered by the explicit-axes plan, which has no result type to give it
+    (ValueError from reshard), forward and backward."""
+    x = _random(jax.random.key(90), (M, K))
+    w1, b1 = _random(jax.random.key(91), (K, N)), _random(jax.random.key(92), (N,))
+    w2 = _random(jax.random.key(93), (N, K))
+    layers = [
+        (lambda x, w1, b1: jax_hopper.dense(x, w1, b1), lambda x, w1, b1: x @ w1 + b1),
+        (lambda x, w1, b1: jax_hopper.dense(x, w1, activation="relu"), lambda x, w1, b1: jax.nn.relu(x @ w1)),
+        (lambda x, w1, b1: jax_hopper.dense(x, w1, b1, activation="gelu_tanh"),
+         lambda x, w1, b1: jax.nn.gelu(x @ w1 + b1)),
+        (lambda x, w1, b1: jax_hopper.mlp(x, w1, b1, w2, None, activation="gelu_tanh"),
+         lambda x, w1, b1: jax.nn.gelu(x @ w1 + b1) @ w2),
+    ]
+    mm = mesh(AxisType.Explicit)
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        for f, ref_f in layers:
+            for grad in (False, True):
+                def step(f):
+                    if not grad:
+                        return f
+                    return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) *
+                                                       jax.random.normal(jax.random.key(94), (M, f(*a).shape[-1]))),
+                                    argnums=(0, 1, 2))
+                with jax_hopper.dispatch(policy):
+                    ours = jax.tree.leaves(jax.jit(step(f))(x, w1, b1))
+                ref = jax.tree.leaves(jax.jit(step(ref_f))(x, w1, b1))
+                for got, want in zip(ours, ref):
+                    assert jax.typeof(got) == jax.typeof(want), (jax.typeof(got), jax.typeof(want))
+                    if not bool(jnp.any(want)):  # the gradient of a bias the layer does not use
+                        assert not bool(jnp.any(got))
+                        continue
+                    # 16-bit results of products of <= 128 terms (f32 sums), a gradient of two
+                    # rounded products: a few f16 roundings
+                    assert relative_error(got, want.astype(jnp.float32)) < 1e-2
+
+
 def test_explicit_dense_residual_sharded_unlike_the_product_gets_jnps_type():
     """act(x @ w) + r with r sharded unlike x @ w: jnp's sum combines the shardings; the
     fused kernel's result type is x @ w's, so that layer runs jnp's computation."""
