@@ -637,6 +637,28 @@ def test_sharded_products_on_auto_axes_export_and_run_like_jnp():
             assert relative_error(got, want.astype(jnp.float32)) <= 2**-9
 
 
+def _assert_gradients_follow_jnp(layers, policy, key):
+    """For each (ours, jnp's, args) in layers: the gradients of every argument, under
+    `policy`, have jnp's types and values. The loss takes a fixed random cotangent, so
+    gradients stay far from f16's 65504 and none is amplified."""
+    for f, ref_f, args in layers:
+        def loss(f):
+            def value(*a):
+                y = f(*a).astype(jnp.float32)
+                return jnp.sum(y * jax.random.normal(key, y.shape, jnp.float32))
+            return value
+
+        argnums = tuple(range(len(args)))
+        with jax_hopper.dispatch(policy):
+            ours = jax.jit(jax.grad(loss(f), argnums=argnums))(*args)
+        ref = jax.jit(jax.grad(loss(ref_f), argnums=argnums))(*args)
+        for go, gr in zip(ours, ref):
+            assert jax.typeof(go) == jax.typeof(gr), (jax.typeof(go), jax.typeof(gr))
+            # f16 gradients of f16 products (K, N <= 128 terms, up to B * M rows summed in
+            # f32): a few f16 roundings
+            assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
+
+
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
 def test_explicit_fsdp_layout_gradients_follow_jnp(policy):
     """x [M@x, K] against w [K@x, N] (FSDP: the weights sharded on the data axis): dx =
@@ -656,21 +678,7 @@ def test_explicit_fsdp_layout_gradients_follow_jnp(policy):
             (lambda x, w, b, w2, b2: jax_hopper.mlp(x, w, b, w2, b2, activation="gelu_tanh"),
              lambda x, w, b, w2, b2: jax.nn.gelu(x @ w + b) @ w2 + b2, (x, w, b, w2, b2)),
         ]
-        for f, ref_f, args in layers:
-            def loss(f):  # a fixed random cotangent: gradients far from f16's 65504, none amplified
-                def value(*a):
-                    y = f(*a).astype(jnp.float32)
-                    return jnp.sum(y * jax.random.normal(jax.random.key(75), y.shape, jnp.float32))
-                return value
-
-            argnums = tuple(range(len(args)))
-            with jax_hopper.dispatch(policy):
-                ours = jax.jit(jax.grad(loss(f), argnums=argnums))(*args)
-            ref = jax.jit(jax.grad(loss(ref_f), argnums=argnums))(*args)
-            for go, gr in zip(ours, ref):
-                assert jax.typeof(go) == jax.typeof(gr), (jax.typeof(go), jax.typeof(gr))
-                # f16 gradients of f16 products (K, N <= 128 terms): a few f16 roundings
-                assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
+        _assert_gradients_follow_jnp(layers, policy, jax.random.key(75))
 
 
 MESHLESS_WEIGHT_CASES = {  # name: (x shape, x spec, which of w1, b1, w2 are sharded (w1 spec, b1 spec))
@@ -703,22 +711,7 @@ def test_explicit_gradients_of_weights_without_a_mesh_follow_jnp(case, policy):
             (lambda *a: jax_hopper.mlp(*a, activation="gelu_tanh"),
              lambda x, w1, b1, w2, b2: jax.nn.gelu(x @ w1 + b1) @ w2 + b2, (x, w1, b1, w2, b2)),
         ]
-        for f, ref_f, args in layers:
-            def loss(f):  # a fixed random cotangent: gradients far from f16's range
-                def value(*a):
-                    y = f(*a).astype(jnp.float32)
-                    return jnp.sum(y * jax.random.normal(jax.random.key(85), y.shape, jnp.float32))
-                return value
-
-            argnums = tuple(range(len(args)))
-            with jax_hopper.dispatch(policy):
-                ours = jax.jit(jax.grad(loss(f), argnums=argnums))(*args)
-            ref = jax.jit(jax.grad(loss(ref_f), argnums=argnums))(*args)
-            for go, gr in zip(ours, ref):
-                assert jax.typeof(go) == jax.typeof(gr), (jax.typeof(go), jax.typeof(gr))
-                # f16 gradients of f16 products (K, N <= 128 terms, B * M rows summed in
-                # f32): a few f16 roundings
-                assert relative_error(go, gr.astype(jnp.float32)) < 1e-2
+        _assert_gradients_follow_jnp(layers, policy, jax.random.key(85))
 
 
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
