@@ -100,10 +100,8 @@ def _kernel_eligible(lhs, rhs, out_dtype, precision, abstract_ok=False) -> bool:
     if not (_is_array(lhs, abstract_ok) and _is_array(rhs, abstract_ok) and _constant_shapes(lhs, rhs)):
         return False
     same_kernel_type = lhs.dtype == rhs.dtype and lhs.dtype in KERNEL_DTYPES
-    # An f32 result's derivative rounds its f32 cotangent to the 16-bit type (_autodiff);
-    # an explicit precision, or jax_default_matmul_precision, asks for jax's f32 products.
-    f32_cotangent_rounds = _default_precision(precision) and jax.config.jax_default_matmul_precision is None
-    return (same_kernel_type and (out_dtype == lhs.dtype or (out_dtype == F32 and f32_cotangent_rounds))
+    # An f32 result's derivative rounds its f32 cotangent to the 16-bit type (_autodiff).
+    return (same_kernel_type and (out_dtype == lhs.dtype or (out_dtype == F32 and _f32_cotangent_may_round(precision)))
             and _plain_precision(precision))
 
 
@@ -191,6 +189,12 @@ def _check_accumulation_value(name, accumulation):
         raise ValueError(f"jax_hopper.{name}: accumulation must be one of {ACCUMULATIONS}, got {accumulation!r}")
 
 
+def _f32_cotangent_may_round(precision) -> bool:
+    """Whether our derivative may round an f32 cotangent to 16 bits: not at an explicit
+    precision, nor under jax_default_matmul_precision (both ask for jax's f32 products)."""
+    return _default_precision(precision) and jax.config.jax_default_matmul_precision is None
+
+
 def _default_precision(precision) -> bool:
     """None, or DEFAULT however spelled ("fastest", "bfloat16", a pair of them)."""
     if precision is None:
@@ -273,8 +277,8 @@ def _rounds_f32_cotangent(lhs, rhs, out, plan, precision) -> bool:
     several dims into one, which could change how a sharded product is partitioned)."""
     as_is = (plan.lhs_perm is None and plan.rhs_perm is None and tuple(plan.lhs_shape) == np.shape(lhs)
              and tuple(plan.rhs_shape) == np.shape(rhs))
-    return (out.dtype == F32 and lhs.dtype == F16 and as_is and _default_precision(precision)
-            and jax.config.jax_default_matmul_precision is None and _dispatch.current_policy() == "auto"
+    return (out.dtype == F32 and lhs.dtype == F16 and as_is and _f32_cotangent_may_round(precision)
+            and _dispatch.current_policy() == "auto"
             and _ffi.kernel_unavailable_reason() is None and _ffi.hopper_gpus_visible())
 
 
