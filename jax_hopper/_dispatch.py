@@ -439,13 +439,16 @@ def _runnable(path: str, rule: str) -> tuple[str, str]:
 
 
 # Which of our kernels computes a product sent to our kernel (by a rule or by policy
-# "kernel"). Decode-sized M: the small-M kind (64-row tiles, no cluster, K split over
-# every SM) against the default kernel, f16 NN (BENCHMARKS.md, "Decode: the small-M
-# kind"): 1.3-1.9x faster at M = 1-64 with N x K = 8192x8192, 14336x4096, 4096x14336
-# and 16x4096x4096, 0.97x at 64x4096x4096 (both far behind cuBLASLt there), a tie at
-# 128x8192x8192 and 0.62x at 128x14336x4096. Compiled for jnp.dot's layout, unbatched.
-# Neither beats cuBLASLt on decode shapes (0.70-0.78x at best), so "auto" keeps them on
-# XLA; this picks the kind once our kernel is asked for.
+# "kernel"). Decode-sized M: the small-M kind (64x128 tiles, no cluster, every tile's K
+# range split into pieces, one CTA each) against the default kernel, f16 NN
+# (BENCHMARKS.md, "Decode: the small-M kind"): its first form (a stream-K split) was
+# already 1.3-1.9x faster at M = 1-64 with N x K = 8192x8192, 14336x4096, 4096x14336 and
+# 16x4096x4096, 0.97x at 64x4096x4096, a tie at 128x8192x8192 and 0.62x at
+# 128x14336x4096; its split-K form is faster still on every decode shape measured
+# (session of 2026-12-03 17:49). Compiled for jnp.dot's layout, unbatched. Neither
+# beats cuBLASLt on decode shapes (the split-K form: 0.82-0.92x at M <= 64 where N x K >=
+# 4096 x 14336, 0.58x at 16x4096x4096), so "auto" keeps them on XLA; this picks the kind
+# once our kernel is asked for.
 SMALL_M_MAX_ROWS = 64
 
 

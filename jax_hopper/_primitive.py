@@ -38,7 +38,8 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # The opt-in f16-accumulating kind (256x256 tiles, four consumer warpgroups; f16 only)
 # is reached through accumulation="f16" on the public ops.
 # 5 is the fused kind, reached through jax_hopper.dense only. "small_m" is for decode-
-# sized M (64-row tiles, no cluster, K split over every SM; f16/bf16, jnp.dot's layout).
+# sized M (64x128 tiles, no cluster, every tile's K range split into pieces, one CTA
+# each, two CTAs per SM; f16/bf16, jnp.dot's layout).
 KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3, "persistent_wait0": 4,
            "persistent_streamk": 6, "persistent_f16acc": 7, "small_m": 8, "persistent_pingpong": 9,
            "persistent_immediate": 10, "persistent_static": 11}
@@ -53,8 +54,8 @@ SMALL_M_KERNEL = "small_m"
 PINGPONG_KERNEL = "persistent_pingpong"  # experimental, never dispatched
 DEFAULT_STAGES = 4
 # Kinds compiled with another ring depth (instances.def): 64 KB stages leave room for 3,
-# the small-M kind's 40 KB ones for 5, the (experimental) ping-pong kind's 32 KB ones for 6.
-KERNEL_STAGES = {F16_ACCUMULATION_KERNEL: 3, SMALL_M_KERNEL: 5, PINGPONG_KERNEL: 6}
+# the (experimental) ping-pong kind's 32 KB ones for 6.
+KERNEL_STAGES = {F16_ACCUMULATION_KERNEL: 3, PINGPONG_KERNEL: 6}
 
 
 def stages_of(kernel: str) -> int:

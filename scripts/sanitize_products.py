@@ -32,7 +32,7 @@ CASES = [  # (kernel, dtype, batch, m, n, k, transpose_a, transpose_b, out_dtype
     ("persistent", jnp.float16, 0, 40, 520, 200, False, False, None),  # rows < 64: the second warpgroup passes
     ("persistent_f16acc", jnp.float16, 0, 300, 520, 200, False, False, None),  # four consumer warpgroups
     ("persistent_f16acc", jnp.float16, 2, 600, 264, 136, True, True, jnp.float32),
-    ("small_m", jnp.float16, 0, 16, 1000, 4160, False, False, None),  # K split 8 ways, warps past M idle
+    ("small_m", jnp.float16, 0, 16, 1000, 4160, False, False, None),  # K split 32 ways, warps past M idle
     ("small_m", jnp.bfloat16, 0, 100, 264, 520, False, False, jnp.float32),  # two M tiles, f32 out
     # C rows TMA cannot store (the deferred store's copy_out): odd N with B [N, K] (no
     # padding), ticketed tiles with one K tile; N = 2 mod 8, batched.

@@ -77,7 +77,7 @@ SELECTABLE = [("v5", 2, jnp.float16), ("v5", 3, jnp.float16), ("v5", 4, jnp.floa
               ("persistent_wait0", 4, jnp.float16), ("persistent_immediate", 4, jnp.float16),
               ("persistent_static", 4, jnp.float16),
               ("persistent_streamk", 4, jnp.float16),
-              ("small_m", 5, jnp.float16), ("small_m", 5, jnp.bfloat16),
+              ("small_m", 4, jnp.float16), ("small_m", 4, jnp.bfloat16),
               ("persistent_pingpong", 6, jnp.float16)]  # experimental
 
 
@@ -376,9 +376,10 @@ def test_stream_k_really_splits_the_tail(hopper):
                                    (100, 8192, 8192), (128, 4096, 14336), (16, 256, 8192), (16, 1000, 520),
                                    (17, 14336, 4096), (3, 100, 103)], ids=lambda s: "x".join(map(str, s)))
 def test_small_m_kind_is_correct_and_deterministic(hopper, shape, dtype):
-    """The decode kind splits every tile's K range over up to 8 SMs and sums the pieces
-    in a fixed order: right (rows past M, warps holding none of them, partial N and K
-    tiles, one tile cut into 8 at 16x256x8192), and bitwise the same on every call."""
+    """The decode kind splits every tile's K range into pieces, one CTA each, and the last
+    to finish sums them in piece order: right (rows past M, warps holding none of them,
+    partial N and K tiles, two tiles cut into 64 pieces at 16x256x8192, no split at
+    3x100x103), and bitwise the same on every call."""
     from jax_hopper._primitive import gemm
 
     m, n, k = shape
@@ -398,9 +399,9 @@ def test_small_m_kind_is_correct_and_deterministic(hopper, shape, dtype):
 
 
 def test_small_m_kind_really_splits_k(hopper):
-    """At 16 x 8192 x 8192 (32 tiles of 64x256 on 132 SMs) every tile's K range is cut
-    into pieces: the f32 sums come out in a different order from the default kernel's,
-    which some outputs must show in their last bit."""
+    """At 16 x 8192 x 8192 (64 tiles of 64x128, four pieces each) every tile's K range is
+    cut into pieces: the f32 sums come out in a different order from the default
+    kernel's, which some outputs must show in their last bit."""
     from jax_hopper._primitive import gemm
 
     a, b = _inputs(16, 8192, 8192, jnp.float16, seed=12)

@@ -78,7 +78,7 @@ KIND_EXTRAS = {
     5: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_fused (dense: bias, activation, residual)
     6: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_streamk (stream-K tail)
     7: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_f16acc (opt-in f16 accumulation)
-    8: [*TMA_STORE],  # small_m (decode: no cluster, one consumer warpgroup, producer warp)
+    8: [*TMA_STORE, "ATOMG", "LDGSTS"],  # small_m (decode: split K, the last piece gathers the partials)
     9: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_pingpong (experimental: 128x128 per warpgroup)
     10: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_fused_grad (the MLP's backward form)
     11: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_fused_derivative (act and act' written)
@@ -87,8 +87,10 @@ KIND_EXTRAS = {
 }
 F16_ACCUMULATION_KIND = 7
 PINGPONG_KIND = 9
+SMALL_M_KIND = 8
 F32_MMA, F16_MMA = "HGMMA.64x256x16.F32", "HGMMA.64x256x16.F16"
-F32_MMA_N128 = "HGMMA.64x128x16.F32"  # the ping-pong kind's 128-column tiles
+F32_MMA_N128 = "HGMMA.64x128x16.F32"  # the ping-pong and small-M kinds' 128-column tiles
+N128_KINDS = {PINGPONG_KIND, SMALL_M_KIND}
 # Threads per CTA of the register-reallocating kinds: a producer warpgroup and two
 # consumer warpgroups, four in the f16-accumulating kind.
 KIND_THREADS = {F16_ACCUMULATION_KIND: 640}
@@ -113,7 +115,7 @@ def test_cuobjdump_sass_has_v5_signature(extension_path):
         if kind == F16_ACCUMULATION_KIND:  # f16 accumulator, never the f32 one
             signature = [F16_MMA if s == F32_MMA else s for s in signature]
             assert F32_MMA not in body, name
-        if kind == PINGPONG_KIND:  # 128-column tiles: n128 wgmmas only
+        if kind in N128_KINDS:  # 128-column tiles: n128 wgmmas only
             signature = [F32_MMA_N128 if s == F32_MMA else s for s in signature]
             assert F32_MMA not in body, name
         for needle in signature:

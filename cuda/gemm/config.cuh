@@ -12,6 +12,8 @@
 namespace jax_hopper {
 
 constexpr size_t kMaxSmemPerBlock = 227 * 1024;  // sm_90 opt-in limit per block
+constexpr size_t kSmemPerSm = 228 * 1024;        // shared with every CTA resident on the SM
+constexpr size_t kSmemPerCtaReserved = 1024;     // the driver's own share of each CTA's
 constexpr size_t kSmemAlignment = 1024;          // 128B-swizzle atoms repeat every 1 KB
 constexpr int kRegisterFileSize = 64 * 1024;     // 32-bit registers per SM
 
@@ -22,17 +24,23 @@ struct GemmConfig {
   static constexpr Major kMajorA = kMajorA_;
   static constexpr Major kMajorB = kMajorB_;
   static constexpr int kStages = kStages_;
-  // Persistent: one CTA per SM walks the tiles, so the producer fills the next tile's
-  // stages while the consumers run the epilogue. Clusters of kClusterM CTAs along M
-  // compute neighbouring M tiles of one N column: each loads 1/kClusterM of the shared
-  // B tile and multicasts it to all, cutting B's L2->SM traffic by kClusterM.
-  static constexpr bool kPersistent = kKind != KernelKind::kV5;
   // Decode-sized M (a few rows against a large B): the product is a stream over B, so
-  // every SM must pull its own share of B. One 64-row consumer warpgroup (no wgmma on
-  // rows that are not there), no cluster (a cluster's second CTA would hold rows past
-  // M), and the K range split over all SMs (kStreamK with every tile in the tail).
+  // every SM must pull its share of B at once. One 64-row consumer warpgroup (no wgmma
+  // on rows that are not there) on 64x128 tiles, no cluster (a cluster's second CTA
+  // would hold rows past M), and every tile's K range cut into equal pieces, one CTA
+  // each (kSplitK), small enough that two CTAs share an SM (kCtasPerSm), all of them in
+  // one wave (launch.cuh: split_k_pieces). Measured against the stream-K split it
+  // replaced (one CTA per SM, a finisher waiting on its contributors' flags): 16x8192x8192
+  // in 38 us instead of 46 (BENCHMARKS.md, session of 2026-12-03 17:49).
+  // Persistent (the other kinds): one CTA per SM walks the tiles, so the producer fills
+  // the next tile's stages while the consumers run the epilogue. Clusters of kClusterM
+  // CTAs along M compute neighbouring M tiles of one N column: each loads 1/kClusterM of
+  // the shared B tile and multicasts it to all, cutting B's L2->SM traffic by kClusterM.
   static constexpr bool kSmallM = kKind == KernelKind::kSmallM;
-  static constexpr int kClusterM = kPersistent && !kSmallM ? 2 : 1;
+  static constexpr bool kSplitK = kSmallM;
+  static constexpr int kCtasPerSm = kSmallM ? 2 : 1;
+  static constexpr bool kPersistent = kKind != KernelKind::kV5 && !kSplitK;
+  static constexpr int kClusterM = kPersistent ? 2 : 1;
   // Epilogue: accumulators -> shared memory -> TMA store (asynchronous: the consumers
   // go on to the next tile while the copy engine writes this one), or straight from
   // registers to global memory (the seed's).
@@ -45,10 +53,9 @@ struct GemmConfig {
   static constexpr bool kFusedEpilogue =
       kKind == KernelKind::kPersistentFused || kActivationGrad || kSavesDerivative;
   // The tail wave split along K over the clusters (tile_scheduler.cuh: WorkList).
-  static constexpr bool kStreamK = kKind == KernelKind::kPersistentStreamK || kSmallM;
-  // Pieces one tile's K range may be cut into (a finisher sums the others' partials).
-  // Decode shapes have few tiles (8192 columns: 32): 4 pieces would leave SMs idle.
-  static constexpr int kMaxSplitsPerTile = kSmallM ? 8 : 4;
+  static constexpr bool kStreamK = kKind == KernelKind::kPersistentStreamK;
+  // Pieces one tail tile's K range may be cut into (a finisher sums the others' partials).
+  static constexpr int kMaxSplitsPerTile = 4;
   // Opt-in: accumulate in f16 (wgmma's f16 accumulator) with four consumer warpgroups
   // on a 256-row tile -- the tutorial's final version.
   static constexpr bool kF16Accumulate = kKind == KernelKind::kPersistentF16Acc;
@@ -64,7 +71,7 @@ struct GemmConfig {
   static constexpr bool kTmaStoreEpilogue = kKind == KernelKind::kPersistentTma || kDefaultOrStatic ||
                                             kKind == KernelKind::kPersistentImmediate ||
                                             kKind == KernelKind::kPersistentWait0 || kFusedEpilogue || kStreamK ||
-                                            kF16Accumulate || kPingpong;
+                                            kSplitK || kF16Accumulate || kPingpong;
   // A whole producer warpgroup (only one thread issues TMA) so that setmaxnreg, which
   // works per warpgroup, can move registers from the producer to the consumers.
   // (Not for the small-M kind: one consumer warpgroup has registers to spare.)
@@ -94,7 +101,7 @@ struct GemmConfig {
   // a ping-pong warpgroup holds a whole tile: two 64-row blocks.
   static constexpr int kWarpgroupM = kPingpong ? 2 * kMmaM : kMmaM;
   static constexpr int kBlockM = kPingpong ? kWarpgroupM : kConsumerWarpgroups * kWarpgroupM;
-  static constexpr int kBlockN = kPingpong ? 128 : 256;
+  static constexpr int kBlockN = kPingpong || kSmallM ? 128 : 256;
   static constexpr int kBlockK = 64;  // 64 16-bit elements = one 128-byte swizzle row
   static constexpr int kMmaK = 16;    // K of one wgmma.m64nNk16
   static constexpr int kMmasPerKTile = kBlockK / kMmaK;
@@ -104,9 +111,9 @@ struct GemmConfig {
   static constexpr int kProducerThreads = kProducerWarpgroup ? hopper::kWarpgroupSize : hopper::kWarpSize;
   static constexpr int kThreads = kConsumerWarpgroups * hopper::kWarpgroupSize + kProducerThreads;
   // Each thread's share of its warpgroup's 64x256 (ping-pong: 128x128) accumulator: 128
-  // elements, in f32 registers, or two per register as f16x2; ping-pong keeps its two
-  // 64-row blocks one after the other (kBlockAccumulatorRegisters each).
-  static constexpr int kAccumulators = kWarpgroupM * kBlockN / hopper::kWarpgroupSize;  // 128
+  // elements (small M's 64x128: 64), in f32 registers, or two per register as f16x2;
+  // ping-pong keeps its two 64-row blocks one after the other (kBlockAccumulatorRegisters each).
+  static constexpr int kAccumulators = kWarpgroupM * kBlockN / hopper::kWarpgroupSize;
   using Accumulator = std::conditional_t<kF16Accumulate, uint32_t, float>;
   static constexpr int kAccumulatorRegisters = kF16Accumulate ? kAccumulators / 2 : kAccumulators;
   static constexpr int kBlockAccumulatorRegisters = kAccumulatorRegisters / kMmaBlocksM;  // one wgmma row block's
@@ -117,7 +124,7 @@ struct GemmConfig {
   // The producer keeps 40 (CUTLASS's cooperative default); the consumers share the
   // rest: 232 each with two consumer warpgroups (128 x 40 + 256 x 232 = 64512), 104
   // with four.
-  static constexpr int kLaunchRegisters = kRegisterFileSize / kThreads / 8 * 8;
+  static constexpr int kLaunchRegisters = kRegisterFileSize / kCtasPerSm / kThreads / 8 * 8;
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters =
       (kThreads * kLaunchRegisters - kProducerThreads * kProducerRegisters) /
@@ -158,7 +165,10 @@ struct GemmConfig {
   // per consumer warpgroup.
   static constexpr int64_t kColumnSumBytes =
       kStagedOperand ? int64_t{kConsumerWarpgroups} * hopper::kWarpsPerWarpgroup * kBlockN * sizeof(float) : 0;
-  static constexpr int64_t kStoreBudget = int64_t{kMaxSmemPerBlock} - int64_t{kSmemAlignment} - kSmemReserve -
+  // What one CTA may take: the block limit, or its share of the SM's when several share one.
+  static constexpr int64_t kSmemBudget = kCtasPerSm == 1 ? int64_t{kMaxSmemPerBlock}
+                                                         : int64_t{kSmemPerSm} / kCtasPerSm - int64_t{kSmemPerCtaReserved};
+  static constexpr int64_t kStoreBudget = kSmemBudget - int64_t{kSmemAlignment} - kSmemReserve -
                                           kColumnSumBytes - int64_t{kStages} * kStageBytes;
   static constexpr int kStoreBuffersThatFit =
       kStoreBudget > 0 ? static_cast<int>(kStoreBudget / (kConsumerWarpgroups * kStoreBufferBytes)) : 0;
@@ -166,14 +176,16 @@ struct GemmConfig {
 
   static_assert(kStages >= 1 + kMmaInFlight, "the lagging release needs a stage per group in flight");
   static_assert(kWarpgroupM % kMmaM == 0, "whole wgmma m64 row blocks per consumer warpgroup");
-  static_assert(kAccumulators == 128, "a 64x256 or 128x128 accumulator is 128 elements per thread");
+  static_assert(kAccumulators == (kSmallM ? 64 : 128), "64x256 / 128x128 accumulators: 128 per thread; 64x128: 64");
   static_assert(!kPingpong || (!kFusedEpilogue && !kStreamK && !kF16Accumulate && kConsumerWarpgroups == 2),
                 "ping-pong: two f32 warpgroups, plain epilogue, whole tiles");
   static_assert(!kTmaStoreEpilogue || kStoreBuffers >= 1, "no room left for the epilogue's staging buffer");
   static_assert(!kSavesDerivative || kStoreBuffers == 2, "the derivative kind stages C and D side by side");
   static_assert(!kDeferredStore || (kTmaStoreEpilogue && kProducerWarpgroup && kMmaBlocksM == 1 &&
-                                    !kFusedEpilogue && !kStreamK && !kF16Accumulate),
+                                    !kFusedEpilogue && !kStreamK && !kSplitK && !kF16Accumulate),
                 "the deferred store: one f32 row block per warpgroup, plain epilogue, the consumers' extra registers");
+  static_assert(!kSplitK || (!kPersistent && !kFusedEpilogue && kConsumerWarpgroups == 1),
+                "split K: one CTA per piece, one consumer warpgroup, plain epilogue");
   static_assert(!kDynamicTiles || (kPersistent && !kStreamK && !kPingpong && kClusterM == 2),
                 "the dynamic order hands whole tiles to 2-CTA clusters");
   static_assert(!kStagedOperand || kStoreBuffers == kOperandSubtiles, "a store buffer per sub-tile of the operand");

@@ -3,7 +3,7 @@
 // n = 4: 256x256), or (ping-pong) whole 128x128 tiles, taking the CTA's tiles in turn.
 // After them comes the TMA producer (V5: one warp, threads 256-287; with register
 // reallocation a whole warpgroup of which one thread works). V5 launches one CTA per
-// tile; the persistent kinds launch one CTA per SM (in 2-CTA clusters) and each walks
+// tile, the small-M kind one per piece of a tile's K range; the persistent kinds launch one CTA per SM (in 2-CTA clusters) and each walks
 // tiles, pipeline state carried on: the default and the fused kinds in the order
 // clusters finish (tickets, tile_scheduler.cuh), the others with a grid stride. The
 // default's consumers store a tile during the next one's first K tiles (the deferred
@@ -28,11 +28,21 @@ namespace jax_hopper {
 template <class Cfg>
 using SchedulerOf = SwizzledTileScheduler<Cfg::kRasterSwizzle, Cfg::kClusterM>;
 
+// The walk over this CTA's units of work (all but the dynamic order's).
+template <class Cfg>
+__device__ auto work_cursor(const WorkList& work, int64_t cluster) {
+  if constexpr (Cfg::kSplitK) {
+    return SplitKCursor{work, cluster};
+  } else {
+    return WorkCursor<Cfg::kStreamK>(work, cluster);
+  }
+}
+
 template <class Cfg>
 using EpilogueOf = std::conditional_t<Cfg::kTmaStoreEpilogue, TmaStoreEpilogue<Cfg>, DirectStoreEpilogue<Cfg>>;
 
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, 1)
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                 const __grid_constant__ CUtensorMap tmap_c, const OutputParams out, const WorkList work,
                 const SchedulerOf<Cfg> scheduler, const StreamKParams stream_k,
@@ -96,7 +106,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         st.advance();
         Main::drain(pipe, st, Cfg::kStages - 1);  // the end mark's stage is acquired already
       } else {
-        WorkCursor<Cfg::kStreamK> cursor(work, cluster);
+        auto cursor = work_cursor<Cfg>(work, cluster);
         for (WorkUnit unit; cursor.next(unit);)
           Main::load(pipe, smem, &tmap_a, &tmap_b, scheduler.tile(unit.tile, cta_rank), unit.k_begin, unit.k_end,
                      cta_rank, st);
@@ -112,7 +122,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         return StageTileCursor<typename Main::Pipe, typename Main::State>{pipe, smem.dynamic.tickets.stage_tile, read,
                                                                           work.k_tiles};
       } else {
-        return WorkCursor<Cfg::kStreamK>(work, cluster);
+        return work_cursor<Cfg>(work, cluster);
       }
     }();
     int64_t unit_index = 0;  // this CTA's units so far (ping-pong: whose turn it is)
@@ -193,6 +203,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             if (work.has_tail_work(r))
               Fixup::accumulate(acc, stream_k, work.cluster_of(r), cta_rank, warpgroup, out.m - row0);
         }
+      }
+      if constexpr (Cfg::kSplitK) {
+        if (unit.role == UnitRole::kContributor &&
+            !SplitKReduce<Cfg>::reduce(acc, stream_k, work, unit, smem, warpgroup, out.m - row0))
+          continue;  // another piece of the tile finishes it
       }
       if constexpr (Cfg::kSavesDerivative) {  // act and act' computed as the sub-tiles are staged
         FusedOps<Cfg>::share_bias(out, bias_pair, smem.fused.bias[warpgroup], Cfg::kFirstEpilogueBarrier + warpgroup);

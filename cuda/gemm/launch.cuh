@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "gemm/config.cuh"
@@ -86,12 +87,19 @@ Status encode_output(CUtensorMap* map, const GemmArgs& args, void* c, bool* usab
 // occupancy queries and function attributes are not free, and XLA calls us per step.
 constexpr int kMaxCachedDevices = 64;
 
-// CTAs of this kernel that fit on the device at once (1 per SM; for clusters, what
-// the GPC layout allows).
+// CTAs of this kernel that fit on the device at once (kCtasPerSm per SM; for clusters,
+// what the GPC layout allows).
 template <class Cfg>
 Status query_resident_ctas(const void* kernel, size_t smem, int device, int* ctas) {
   if constexpr (Cfg::kClusterM == 1) {
-    return cuda_status(cudaDeviceGetAttribute(ctas, cudaDevAttrMultiProcessorCount, device), "SM count");
+    int sms = 0, per_sm = 0;
+    Status st = cuda_status(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
+    if (st.ok())
+      st = cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem),
+                       "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    if (st.ok() && per_sm < Cfg::kCtasPerSm) st = Status::Internal("fewer CTAs per SM fit than the kernel is built for");
+    *ctas = sms * per_sm;
+    return st;
   } else {
     cudaLaunchConfig_t config = {};
     cudaLaunchAttribute attr[1];
@@ -149,6 +157,45 @@ Status prepare_stream_k(const GemmArgs& args, cudaStream_t stream, WorkList* wor
   const Status st = cuda_status(cudaMemsetAsync(params->flags, 0, flag_bytes, stream), "zeroing stream-K flags");
   if (st.ok()) work->split_tail = true;
   return st;
+}
+
+// Split K (the small-M kind): how many pieces each tile's K range is cut into. Whole
+// waves of pieces (kSplitKWaves x the resident CTAs at most): a part-filled last wave
+// runs as long as a full one (1.2 waves measured slower than 1), and each further wave
+// cost about 3.5 us at 16x8192x8192 (every piece pays its CTA's start and drain:
+// BENCHMARKS.md, session of 2026-12-03 17:49), so one. No piece shorter than
+// kMinSplitKTiles K tiles.
+constexpr int kSplitKWaves = 1;
+constexpr int kMinSplitKTiles = 2;
+
+inline int split_k_waves() {
+  // Measurement override (BENCHMARKS.md, the decode sessions): read per call.
+  const char* env = std::getenv("JAX_HOPPER_SPLIT_K_WAVES");
+  const int waves = env != nullptr ? std::atoi(env) : 0;
+  return waves > 0 ? waves : kSplitKWaves;
+}
+
+inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
+  const int64_t most = std::max(1, k_tiles / kMinSplitKTiles);
+  const int64_t fit = split_k_waves() * int64_t{resident} / tiles;
+  return static_cast<int>(std::clamp<int64_t>(fit, 1, most));
+}
+
+// Workspace of a split: a partial-sum slot per unit, then a zeroed arrival counter per
+// tile. One piece needs none.
+template <class Cfg>
+Status prepare_split_k(const GemmArgs& args, cudaStream_t stream, const WorkList& work, StreamKParams* params) {
+  if (work.pieces == 1) return Status::Ok();
+  const int64_t units = work.num_tiles * work.pieces;
+  const size_t data_bytes = SplitKReduce<Cfg>::workspace_bytes(units);
+  const size_t counter_bytes = static_cast<size_t>(work.num_tiles) * sizeof(uint32_t);
+  void* memory = args.allocate_workspace ? args.allocate_workspace(data_bytes + counter_bytes) : nullptr;
+  if (memory == nullptr)
+    return Status::Internal("split K: no workspace for the partial sums (" + std::to_string(data_bytes + counter_bytes) +
+                            " bytes)");
+  params->workspace = static_cast<float4*>(memory);
+  params->flags = reinterpret_cast<uint32_t*>(static_cast<char*>(memory) + data_bytes);
+  return cuda_status(cudaMemsetAsync(params->flags, 0, counter_bytes, stream), "zeroing split-K counters");
 }
 
 // The dynamic order's ticket counter, zeroed in the call's scratch memory (stream
@@ -222,9 +269,18 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   } else if constexpr (Cfg::kPersistent) {
     ctas = std::min<int64_t>(ctas, resident);
   }
+  int pieces = 1;
+  if constexpr (Cfg::kSplitK) {
+    pieces = split_k_pieces(scheduler.num_tiles(), k_tiles, resident);
+    ctas = scheduler.num_tiles() * pieces;
+  }
   if (ctas > kMaxGridX) return Status::Invalid("too many output tiles for one launch");
-  WorkList work{scheduler.num_tiles(), ctas / Cfg::kClusterM, k_tiles, false, Cfg::kMaxSplitsPerTile};
+  WorkList work{scheduler.num_tiles(), ctas / Cfg::kClusterM, k_tiles, false, Cfg::kMaxSplitsPerTile, pieces};
   StreamKParams stream_k{nullptr, nullptr};
+  if constexpr (Cfg::kSplitK) {
+    st = prepare_split_k<Cfg>(args, stream, work, &stream_k);
+    if (!st.ok()) return st;
+  }
   if constexpr (Cfg::kStreamK) {
     st = prepare_stream_k<Cfg>(args, stream, &work, &stream_k);
     if (!st.ok()) return st;

@@ -1,6 +1,6 @@
 // Stream-K tail (tile_scheduler.cuh: WorkList): how a contributor hands its partial
 // accumulator to the finisher of the tile, through a global workspace and one flag per
-// (cluster, CTA rank, consumer warpgroup). Each thread stores and loads its own 128
+// (cluster, CTA rank, consumer warpgroup). Each thread stores and loads its own
 // accumulator registers as float4s laid out [vector][thread], so both sides coalesce.
 // A warp's accumulators are 16 rows of the warpgroup's 64 (wgmma's m64 layout); in the
 // small-M kind, warps whose rows all lie past M (M = 16 uses one warp of four) move
@@ -9,6 +9,9 @@
 #pragma once
 #include <cstdint>
 
+#include "gemm/config.cuh"
+#include "gemm/tile_scheduler.cuh"
+#include "hopper/async_copy.cuh"
 #include "hopper/flag.cuh"
 #include "hopper/warpgroup.cuh"
 
@@ -43,30 +46,17 @@ struct StreamKFixup {
     return hopper::thread_in_warpgroup() / hopper::kWarpSize * kRowsPerWarp < rows;
   }
 
-  __device__ static void publish(const float (&acc)[Cfg::kAccumulators], const StreamKParams& p, int64_t cluster,
-                                 int rank, int warpgroup, int rows) {
-    const int64_t s = slot(cluster, rank, warpgroup);
+  // This thread's accumulators into / added from a partial-sum slot ([vector][thread]).
+  __device__ static void store_partial(const float (&acc)[Cfg::kAccumulators], float4* dst, int rows) {
     const int t = hopper::thread_in_warpgroup();
-    float4* dst = p.workspace + s * kSlotVectors;
-    if (warp_has_rows(rows)) {
-#pragma unroll
-      for (int v = 0; v < kVectors; ++v)
-        dst[v * hopper::kWarpgroupSize + t] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
-    }
-    __threadfence();  // each thread's stores before the barrier, then one release for all
-    hopper::named_barrier_sync(Cfg::kFirstEpilogueBarrier + warpgroup, hopper::kWarpgroupSize);
-    if (t == 0) hopper::flag_release(&p.flags[s], kPublished);
-  }
-
-  // Adds the partial sum of `cluster`'s same rank and warpgroup, once published.
-  __device__ static void accumulate(float (&acc)[Cfg::kAccumulators], const StreamKParams& p, int64_t cluster,
-                                    int rank, int warpgroup, int rows) {
-    const int64_t s = slot(cluster, rank, warpgroup);
-    const int t = hopper::thread_in_warpgroup();
-    if (t == 0) hopper::flag_wait(&p.flags[s], kPublished);
-    hopper::named_barrier_sync(Cfg::kFirstEpilogueBarrier + warpgroup, hopper::kWarpgroupSize);
     if (!warp_has_rows(rows)) return;
-    const float4* src = p.workspace + s * kSlotVectors;
+#pragma unroll
+    for (int v = 0; v < kVectors; ++v)
+      dst[v * hopper::kWarpgroupSize + t] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
+  }
+  __device__ static void add_partial(float (&acc)[Cfg::kAccumulators], const float4* src, int rows) {
+    const int t = hopper::thread_in_warpgroup();
+    if (!warp_has_rows(rows)) return;
 #pragma unroll
     for (int v = 0; v < kVectors; ++v) {
       const float4 x = __ldcg(src + v * hopper::kWarpgroupSize + t);  // L2: written by another SM
@@ -75,6 +65,94 @@ struct StreamKFixup {
       acc[4 * v + 2] += x.z;
       acc[4 * v + 3] += x.w;
     }
+  }
+
+  __device__ static void publish(const float (&acc)[Cfg::kAccumulators], const StreamKParams& p, int64_t cluster,
+                                 int rank, int warpgroup, int rows) {
+    const int64_t s = slot(cluster, rank, warpgroup);
+    store_partial(acc, p.workspace + s * kSlotVectors, rows);
+    __threadfence();  // each thread's stores before the barrier, then one release for all
+    hopper::named_barrier_sync(Cfg::kFirstEpilogueBarrier + warpgroup, hopper::kWarpgroupSize);
+    if (hopper::thread_in_warpgroup() == 0) hopper::flag_release(&p.flags[s], kPublished);
+  }
+
+  // Adds the partial sum of `cluster`'s same rank and warpgroup, once published.
+  __device__ static void accumulate(float (&acc)[Cfg::kAccumulators], const StreamKParams& p, int64_t cluster,
+                                    int rank, int warpgroup, int rows) {
+    const int64_t s = slot(cluster, rank, warpgroup);
+    if (hopper::thread_in_warpgroup() == 0) hopper::flag_wait(&p.flags[s], kPublished);
+    hopper::named_barrier_sync(Cfg::kFirstEpilogueBarrier + warpgroup, hopper::kWarpgroupSize);
+    add_partial(acc, p.workspace + s * kSlotVectors, rows);
+  }
+};
+
+// Split K (the small-M kind, one CTA per piece of a tile's K range): every piece stores
+// its partial sum in its own slot (unit u's: slot u) and counts itself in the tile's
+// arrival counter (zeroed per call); the piece that arrives last sums all of the
+// tile's slots in piece order and stores the tile. Nobody waits, and the sum is the
+// same whichever CTA finishes last: deterministic. The workspace is the stream-K kind's
+// (StreamKParams: `flags` holds one counter per tile).
+// The sum is on the kernel's critical path for the last tiles, and slot by slot it took
+// an L2 round trip per piece (about 1 us each, measured: BENCHMARKS.md). So the slots
+// are gathered a batch at a time into the ring's shared memory, free once the CTA's
+// mainloop is done, by cp.async (no register per load in flight), each thread fetching
+// and reading back only its own elements: one round trip per batch.
+template <class Cfg>
+struct SplitKReduce {
+  using Slots = StreamKFixup<Cfg>;
+  static constexpr int kVectors = Slots::kVectors;
+  static constexpr int kRowsPerWarp = Cfg::kWarpgroupM / hopper::kWarpsPerWarpgroup;
+  static constexpr int kRingVectors = static_cast<int>(sizeof(typename SharedStorage<Cfg>::Stage)) * Cfg::kStages /
+                                      static_cast<int>(sizeof(float4));
+
+  static constexpr size_t workspace_bytes(int64_t units) {
+    return static_cast<size_t>(units) * Slots::kSlotVectors * sizeof(float4);
+  }
+
+  // Returns whether this CTA's warpgroup holds the tile's total in `acc` and must store it.
+  __device__ static bool reduce(float (&acc)[Cfg::kAccumulators], const StreamKParams& p, const WorkList& work,
+                                const WorkUnit& unit, SharedStorage<Cfg>& smem, int warpgroup, int rows) {
+    const uint32_t barrier = Cfg::kFirstEpilogueBarrier + warpgroup;
+    Slots::store_partial(acc, p.workspace + work.split_unit(unit.tile, unit.piece) * Slots::kSlotVectors, rows);
+    __threadfence();  // each thread's stores before the barrier, then one arrival for all
+    hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
+    bool last = false;
+    if (hopper::thread_in_warpgroup() == 0) {
+      last = hopper::arrive_count(&p.flags[unit.tile]) == static_cast<uint32_t>(work.pieces - 1);
+    }
+    if (!hopper::named_barrier_any(barrier, hopper::kWarpgroupSize, last)) return false;
+    __threadfence();  // every thread's loads after the last arrival's acquire
+#pragma unroll
+    for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.0f;
+    if (!Slots::warp_has_rows(rows)) return true;
+    // The ring's shared memory, split between the threads of the warps holding rows
+    // (with few rows, fewer warps get more of it): [batch slot][vector][thread].
+    const int warps = rows >= Cfg::kWarpgroupM ? hopper::kWarpsPerWarpgroup : (rows + kRowsPerWarp - 1) / kRowsPerWarp;
+    const int threads = warps * hopper::kWarpSize;
+    const int batch = kRingVectors / (threads * kVectors);
+    const int t = hopper::thread_in_warpgroup();
+    float4* ring = reinterpret_cast<float4*>(&smem.stages[0]);
+    for (int first = 0; first < work.pieces; first += batch) {
+      const int n = work.pieces - first < batch ? work.pieces - first : batch;
+      for (int b = 0; b < n; ++b) {
+        const float4* src = p.workspace + work.split_unit(unit.tile, first + b) * Slots::kSlotVectors;
+#pragma unroll
+        for (int v = 0; v < kVectors; ++v)
+          hopper::copy_async_16(&ring[(b * kVectors + v) * threads + t], src + v * hopper::kWarpgroupSize + t);
+      }
+      hopper::copy_async_wait_all();
+      for (int b = 0; b < n; ++b) {  // in piece order
+#pragma unroll
+        for (int v = 0; v < kVectors; ++v) {
+          const float4 x = ring[(b * kVectors + v) * threads + t];
+          acc[4 * v] += x.x;
+          acc[4 * v + 1] += x.y;
+          acc[4 * v + 2] += x.z;
+          acc[4 * v + 3] += x.w;
+        }
+      }
+    }
+    return true;
   }
 };
 

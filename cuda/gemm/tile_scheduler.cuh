@@ -63,6 +63,7 @@ struct WorkUnit {
   int64_t tile;
   int k_begin, k_end;
   UnitRole role;
+  int piece = 0;  // split K: which of the tile's pieces
 };
 
 // The persistent walk over cluster tiles, optionally with a stream-K tail. Cluster q
@@ -83,6 +84,10 @@ struct WorkList {
   int k_tiles;
   bool split_tail;     // the host found the workspace for the partial sums
   int64_t max_splits;  // pieces per tail tile at most (the kind's kMaxSplitsPerTile)
+  int pieces = 1;      // split K: pieces per tile (SplitKCursor)
+
+  // Split K: the CTA (and partial-sum slot) of a tile's piece.
+  __host__ __device__ int64_t split_unit(int64_t tile, int piece) const { return piece * num_tiles + tile; }
 
   __host__ __device__ int64_t whole_tiles() const {
     return split_tail ? num_tiles / clusters * clusters : num_tiles;
@@ -143,6 +148,28 @@ struct WorkCursor {
       }
     }
     return false;
+  }
+};
+
+// Split K (the small-M kind): one CTA per unit, CTA u computing piece u / T of tile u % T
+// (T tiles), each piece an equal share of the K tiles. The pieces go in launch order one
+// after another, so CTAs running together read one band of B's rows, neighbouring
+// column strips of the same DRAM pages. With more than one piece every unit contributes
+// (SplitKReduce: the last to finish sums the tile).
+struct SplitKCursor {
+  const WorkList work;
+  int64_t unit;
+  bool taken = false;
+
+  __device__ bool next(WorkUnit& u) {
+    if (taken) return false;
+    taken = true;
+    const int piece = static_cast<int>(unit / work.num_tiles);
+    const int64_t tile = unit - piece * work.num_tiles;
+    const int k_begin = static_cast<int>(piece * int64_t{work.k_tiles} / work.pieces);
+    const int k_end = static_cast<int>((piece + 1) * int64_t{work.k_tiles} / work.pieces);
+    u = WorkUnit{tile, k_begin, k_end, work.pieces > 1 ? UnitRole::kContributor : UnitRole::kWhole, piece};
+    return true;
   }
 };
 

@@ -24,4 +24,13 @@ __device__ __forceinline__ void flag_wait(const uint32_t* flag, uint32_t value) 
   while (flag_acquire(flag) != value) __nanosleep(kBackoffNs);
 }
 
+// Adds one to a counter and returns its old value; release for this thread's earlier
+// writes (and those ordered before it by a barrier), acquire for what the counter's
+// earlier arrivals published, at GPU scope.
+__device__ __forceinline__ uint32_t arrive_count(uint32_t* counter) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
+
 }  // namespace jax_hopper::hopper

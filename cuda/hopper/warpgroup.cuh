@@ -26,6 +26,22 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The same barrier, also returning whether any of the threads passed `pred` true.
+__device__ __forceinline__ bool named_barrier_any(uint32_t id, uint32_t threads, bool pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n"
+      ".reg .pred p, q;\n"
+      "setp.ne.u32 p, %1, 0;\n"
+      "bar.red.or.pred q, %2, %3, p;\n"
+      "selp.u32 %0, 1, 0, q;\n"
+      "}"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(threads)
+      : "memory");
+  return any != 0;
+}
+
 // Register reallocation between warpgroups (PTX setmaxnreg; every warp of the
 // warpgroup executes it). The producer gives registers back to the pool, the
 // consumers take them; kRegs is a multiple of 8 in [24, 256].
