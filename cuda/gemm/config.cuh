@@ -28,8 +28,8 @@ struct GemmConfig {
   // every SM must pull its share of B at once. One 64-row consumer warpgroup (no wgmma
   // on rows that are not there) on 64x128 tiles, no cluster (a cluster's second CTA
   // would hold rows past M), and every tile's K range cut into equal pieces, one CTA
-  // each (kSplitK), small enough that two CTAs share an SM (kCtasPerSm), all of them in
-  // one wave (launch.cuh: split_k_pieces). Measured against the stream-K split it
+  // each (kSplitK), small enough that two CTAs share an SM (kCtasPerSm), in as few waves
+  // as the tiles allow (launch.cuh: split_k_pieces). Measured against the stream-K split it
   // replaced (one CTA per SM, a finisher waiting on its contributors' flags): 16x8192x8192
   // in 38 us instead of 46 (BENCHMARKS.md, session of 2026-12-03 17:49).
   // Persistent (the other kinds): one CTA per SM walks the tiles, so the producer fills
@@ -119,7 +119,7 @@ struct GemmConfig {
   static constexpr int kBlockAccumulatorRegisters = kAccumulatorRegisters / kMmaBlocksM;  // one wgmma row block's
   // setmaxnreg moves registers within the CTA's pool, which is what the kernel was
   // launched with: kThreads x its register count, at most this many per thread (ptxas
-  // caps the count here under __launch_bounds__(kThreads, 1); tests/test_sass.py checks
+  // caps the count here under __launch_bounds__(kThreads, kCtasPerSm); tests/test_sass.py checks
   // the built kernels use exactly it). A split beyond the pool would hang in .inc.
   // The producer keeps 40 (CUTLASS's cooperative default); the consumers share the
   // rest: 232 each with two consumer warpgroups (128 x 40 + 256 x 232 = 64512), 104
@@ -166,8 +166,8 @@ struct GemmConfig {
   static constexpr int64_t kColumnSumBytes =
       kStagedOperand ? int64_t{kConsumerWarpgroups} * hopper::kWarpsPerWarpgroup * kBlockN * sizeof(float) : 0;
   // What one CTA may take: the block limit, or its share of the SM's when several share one.
-  static constexpr int64_t kSmemBudget = kCtasPerSm == 1 ? int64_t{kMaxSmemPerBlock}
-                                                         : int64_t{kSmemPerSm} / kCtasPerSm - int64_t{kSmemPerCtaReserved};
+  static constexpr int64_t kSmemBudget =
+      kCtasPerSm == 1 ? int64_t{kMaxSmemPerBlock} : int64_t{kSmemPerSm} / kCtasPerSm - int64_t{kSmemPerCtaReserved};
   static constexpr int64_t kStoreBudget = kSmemBudget - int64_t{kSmemAlignment} - kSmemReserve -
                                           kColumnSumBytes - int64_t{kStages} * kStageBytes;
   static constexpr int kStoreBuffersThatFit =

@@ -3,11 +3,11 @@
 // n = 4: 256x256), or (ping-pong) whole 128x128 tiles, taking the CTA's tiles in turn.
 // After them comes the TMA producer (V5: one warp, threads 256-287; with register
 // reallocation a whole warpgroup of which one thread works). V5 launches one CTA per
-// tile, the small-M kind one per piece of a tile's K range; the persistent kinds launch one CTA per SM (in 2-CTA clusters) and each walks
-// tiles, pipeline state carried on: the default and the fused kinds in the order
-// clusters finish (tickets, tile_scheduler.cuh), the others with a grid stride. The
-// default's consumers store a tile during the next one's first K tiles (the deferred
-// store, epilogue.cuh).
+// tile, the small-M kind one per piece of a tile's K range; the persistent kinds launch
+// one CTA per SM (in 2-CTA clusters) and each walks tiles, pipeline state carried on:
+// the default and the fused kinds in the order clusters finish (tickets,
+// tile_scheduler.cuh), the others with a grid stride. The default's consumers store a
+// tile during the next one's first K tiles (the deferred store, epilogue.cuh).
 #pragma once
 #include <cuda.h>
 

@@ -87,8 +87,9 @@ Status encode_output(CUtensorMap* map, const GemmArgs& args, void* c, bool* usab
 // occupancy queries and function attributes are not free, and XLA calls us per step.
 constexpr int kMaxCachedDevices = 64;
 
-// CTAs of this kernel that fit on the device at once (kCtasPerSm per SM; for clusters,
-// what the GPC layout allows).
+// CTAs of this kernel that fit on the device at once (for clusters, what the GPC layout
+// allows). Split K is built for kCtasPerSm per SM (config.cuh checks that its shared
+// memory allows it); with fewer it is slower, not wrong: no CTA waits on another.
 template <class Cfg>
 Status query_resident_ctas(const void* kernel, size_t smem, int device, int* ctas) {
   if constexpr (Cfg::kClusterM == 1) {
@@ -97,7 +98,6 @@ Status query_resident_ctas(const void* kernel, size_t smem, int device, int* cta
     if (st.ok())
       st = cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem),
                        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    if (st.ok() && per_sm < Cfg::kCtasPerSm) st = Status::Internal("fewer CTAs per SM fit than the kernel is built for");
     *ctas = sms * per_sm;
     return st;
   } else {
@@ -138,6 +138,22 @@ Status prepare_device(const void* kernel, size_t smem, int* resident) {
   return Status::Ok();
 }
 
+// The partial-sum workspace of a split (stream-K or split K) in the call's scratch
+// memory: `data_bytes` of slots, then `counters` uint32 flags or counters zeroed
+// (stream ordered before the launch).
+inline Status prepare_partial_sums(const GemmArgs& args, cudaStream_t stream, size_t data_bytes, size_t counters,
+                                   const char* what, StreamKParams* params) {
+  const size_t counter_bytes = counters * sizeof(uint32_t);
+  void* memory = args.allocate_workspace ? args.allocate_workspace(data_bytes + counter_bytes) : nullptr;
+  if (memory == nullptr)
+    return Status::Internal(std::string(what) + ": no workspace for the partial sums (" +
+                            std::to_string(data_bytes + counter_bytes) + " bytes)");
+  params->workspace = static_cast<float4*>(memory);
+  params->flags = reinterpret_cast<uint32_t*>(static_cast<char*>(memory) + data_bytes);
+  return cuda_status(cudaMemsetAsync(params->flags, 0, counter_bytes, stream),
+                     (std::string("zeroing ") + what + " counters").c_str());
+}
+
 // Stream-K tail: splits it when the last wave is partial, with a workspace for the
 // partial sums (plus zeroed flags) from the caller. No workspace is an error, not a
 // quiet fall-back to whole tiles: this kind exists to measure the split (a quiet
@@ -146,39 +162,49 @@ template <class Cfg>
 Status prepare_stream_k(const GemmArgs& args, cudaStream_t stream, WorkList* work, StreamKParams* params) {
   using Fixup = StreamKFixup<Cfg>;
   if (work->num_tiles % work->clusters == 0) return Status::Ok();
-  const size_t data_bytes = Fixup::workspace_bytes(work->clusters);
-  const size_t flag_bytes = Fixup::flag_count(work->clusters) * sizeof(uint32_t);
-  void* memory = args.allocate_workspace ? args.allocate_workspace(data_bytes + flag_bytes) : nullptr;
-  if (memory == nullptr)
-    return Status::Internal("stream-K: no workspace for the partial sums (" + std::to_string(data_bytes + flag_bytes) +
-                            " bytes)");
-  params->workspace = static_cast<float4*>(memory);
-  params->flags = reinterpret_cast<uint32_t*>(static_cast<char*>(memory) + data_bytes);
-  const Status st = cuda_status(cudaMemsetAsync(params->flags, 0, flag_bytes, stream), "zeroing stream-K flags");
+  const Status st = prepare_partial_sums(args, stream, Fixup::workspace_bytes(work->clusters),
+                                         Fixup::flag_count(work->clusters), "stream-K", params);
   if (st.ok()) work->split_tail = true;
   return st;
 }
 
-// Split K (the small-M kind): how many pieces each tile's K range is cut into. Whole
-// waves of pieces (kSplitKWaves x the resident CTAs at most): a part-filled last wave
-// runs as long as a full one (1.2 waves measured slower than 1), and each further wave
-// cost about 3.5 us at 16x8192x8192 (every piece pays its CTA's start and drain:
-// BENCHMARKS.md, session of 2026-12-03 17:49), so one. No piece shorter than
-// kMinSplitKTiles K tiles.
-constexpr int kSplitKWaves = 1;
+// Split K (the small-M kind): how many pieces each tile's K range is cut into. Measured
+// (BENCHMARKS.md, session of 2026-12-03 17:49): a wave of pieces costs its longest piece
+// plus kPieceOverheadKTiles K tiles' worth of time (each further wave of shorter pieces
+// added 3.7-9 us, about 3-8 K tiles of one CTA's streaming). Where the tiles fit one
+// wave: the most pieces that still do, floor(CTAs / tiles) (at 16x8192x8192: 4 pieces,
+// 38 us, against 42-48 us with 2-4 waves). With more tiles than CTAs (wide N; not
+// measured), of the piece counts that fill w = 2 .. kMaxSplitKWaves waves, the one with
+// the least waves x (K tiles per piece + kPieceOverheadKTiles): it fills the waves better
+// than a piece per tile (at 16x50257x4096, 393 tiles: 2 pieces, 3 full waves, not 1.5).
+// No piece shorter than kMinSplitKTiles K tiles. The pieces depend on the SM count, so the bits do too (they
+// are the same on every call on one device).
+constexpr int kPieceOverheadKTiles = 6;
+constexpr int kMaxSplitKWaves = 8;
 constexpr int kMinSplitKTiles = 2;
 
-inline int split_k_waves() {
-  // Measurement override (BENCHMARKS.md, the decode sessions): read per call.
-  const char* env = std::getenv("JAX_HOPPER_SPLIT_K_WAVES");
-  const int waves = env != nullptr ? std::atoi(env) : 0;
-  return waves > 0 ? waves : kSplitKWaves;
+// Measurement override (scripts/decode_split_k.sh): JAX_HOPPER_SPLIT_K_WAVES=W takes the
+// piece count that fills W waves; read once per process.
+inline int split_k_waves_override() {
+  static const int waves = [] {
+    const char* env = std::getenv("JAX_HOPPER_SPLIT_K_WAVES");
+    return env != nullptr ? std::max(0, std::atoi(env)) : 0;
+  }();
+  return waves;
 }
 
 inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
   const int64_t most = std::max(1, k_tiles / kMinSplitKTiles);
-  const int64_t fit = split_k_waves() * int64_t{resident} / tiles;
-  return static_cast<int>(std::clamp<int64_t>(fit, 1, most));
+  const auto filling = [&](int64_t waves) { return std::clamp<int64_t>(waves * resident / tiles, 1, most); };
+  if (const int waves = split_k_waves_override(); waves > 0) return static_cast<int>(filling(waves));
+  if (tiles <= resident) return static_cast<int>(filling(1));
+  int64_t best = 1, best_cost = INT64_MAX;
+  for (int64_t w = 1; w <= kMaxSplitKWaves; ++w) {
+    const int64_t pieces = filling(w);
+    const int64_t cost = ceil_div(tiles * pieces, resident) * (ceil_div(k_tiles, pieces) + kPieceOverheadKTiles);
+    if (cost < best_cost) best = pieces, best_cost = cost;
+  }
+  return static_cast<int>(best);
 }
 
 // Workspace of a split: a partial-sum slot per unit, then a zeroed arrival counter per
@@ -186,16 +212,8 @@ inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
 template <class Cfg>
 Status prepare_split_k(const GemmArgs& args, cudaStream_t stream, const WorkList& work, StreamKParams* params) {
   if (work.pieces == 1) return Status::Ok();
-  const int64_t units = work.num_tiles * work.pieces;
-  const size_t data_bytes = SplitKReduce<Cfg>::workspace_bytes(units);
-  const size_t counter_bytes = static_cast<size_t>(work.num_tiles) * sizeof(uint32_t);
-  void* memory = args.allocate_workspace ? args.allocate_workspace(data_bytes + counter_bytes) : nullptr;
-  if (memory == nullptr)
-    return Status::Internal("split K: no workspace for the partial sums (" + std::to_string(data_bytes + counter_bytes) +
-                            " bytes)");
-  params->workspace = static_cast<float4*>(memory);
-  params->flags = reinterpret_cast<uint32_t*>(static_cast<char*>(memory) + data_bytes);
-  return cuda_status(cudaMemsetAsync(params->flags, 0, counter_bytes, stream), "zeroing split-K counters");
+  return prepare_partial_sums(args, stream, SplitKReduce<Cfg>::workspace_bytes(work.num_tiles * work.pieces),
+                              static_cast<size_t>(work.num_tiles), "split K", params);
 }
 
 // The dynamic order's ticket counter, zeroed in the call's scratch memory (stream
@@ -243,6 +261,7 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
 
   constexpr size_t kSmem = smem_bytes<Cfg>();
   static_assert(kSmem <= kMaxSmemPerBlock, "pipeline stages and epilogue buffers do not fit in shared memory");
+  static_assert((kSmem + kSmemPerCtaReserved) * Cfg::kCtasPerSm <= kSmemPerSm, "kCtasPerSm CTAs do not fit an SM");
   const auto kernel = gemm_kernel<Cfg>;
   int resident = 0;
   st = prepare_device<Cfg>(reinterpret_cast<const void*>(kernel), kSmem, &resident);

@@ -1,6 +1,7 @@
-// Stream-K tail (tile_scheduler.cuh: WorkList): how a contributor hands its partial
-// accumulator to the finisher of the tile, through a global workspace and one flag per
-// (cluster, CTA rank, consumer warpgroup). Each thread stores and loads its own
+// Partial sums handed between CTAs through a global workspace. Stream-K tail
+// (tile_scheduler.cuh: WorkList): a contributor hands its partial accumulator to the
+// finisher of the tile, one flag per (cluster, CTA rank, consumer warpgroup). Split K
+// (the small-M kind): SplitKReduce below. Each thread stores and loads its own
 // accumulator registers as float4s laid out [vector][thread], so both sides coalesce.
 // A warp's accumulators are 16 rows of the warpgroup's 64 (wgmma's m64 layout); in the
 // small-M kind, warps whose rows all lie past M (M = 16 uses one warp of four) move
