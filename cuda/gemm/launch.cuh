@@ -174,11 +174,11 @@ Status prepare_stream_k(const GemmArgs& args, cudaStream_t stream, WorkList* wor
 // added 3.7-9 us, about 3-8 K tiles of one CTA's streaming). Where the tiles fit one
 // wave: the most pieces that still do, floor(CTAs / tiles) (at 16x8192x8192: 4 pieces,
 // 38 us, against 42-48 us with 2-4 waves). With more tiles than CTAs (wide N; not
-// measured), of the piece counts that fill w = 2 .. kMaxSplitKWaves waves, the one with
-// the least waves x (K tiles per piece + kPieceOverheadKTiles): it fills the waves better
-// than a piece per tile (at 16x50257x4096, 393 tiles: 2 pieces, 3 full waves, not 1.5).
-// No piece shorter than kMinSplitKTiles K tiles. The pieces depend on the SM count, so the bits do too (they
-// are the same on every call on one device).
+// measured), of the piece counts that fill w = 1 .. kMaxSplitKWaves waves (w = 1: a
+// piece per tile), the one with the least waves x (K tiles per piece +
+// kPieceOverheadKTiles): at 16x50257x4096, 393 tiles, 2 pieces in 3 full waves rather
+// than 1 in 1.5. No piece shorter than kMinSplitKTiles K tiles. The pieces depend on the
+// SM count, so the bits do too (they are the same on every call on one device).
 constexpr int kPieceOverheadKTiles = 6;
 constexpr int kMaxSplitKWaves = 8;
 constexpr int kMinSplitKTiles = 2;
