@@ -47,6 +47,14 @@ struct StreamKFixup {
     return hopper::thread_in_warpgroup() / hopper::kWarpSize * kRowsPerWarp < rows;
   }
 
+  // Adds one float4 of a partial sum to accumulators 4v .. 4v + 3.
+  __device__ static void add_vector(float (&acc)[Cfg::kAccumulators], int v, float4 x) {
+    acc[4 * v] += x.x;
+    acc[4 * v + 1] += x.y;
+    acc[4 * v + 2] += x.z;
+    acc[4 * v + 3] += x.w;
+  }
+
   // This thread's accumulators into / added from a partial-sum slot ([vector][thread]).
   __device__ static void store_partial(const float (&acc)[Cfg::kAccumulators], float4* dst, int rows) {
     const int t = hopper::thread_in_warpgroup();
@@ -59,13 +67,8 @@ struct StreamKFixup {
     const int t = hopper::thread_in_warpgroup();
     if (!warp_has_rows(rows)) return;
 #pragma unroll
-    for (int v = 0; v < kVectors; ++v) {
-      const float4 x = __ldcg(src + v * hopper::kWarpgroupSize + t);  // L2: written by another SM
-      acc[4 * v] += x.x;
-      acc[4 * v + 1] += x.y;
-      acc[4 * v + 2] += x.z;
-      acc[4 * v + 3] += x.w;
-    }
+    for (int v = 0; v < kVectors; ++v)
+      add_vector(acc, v, __ldcg(src + v * hopper::kWarpgroupSize + t));  // L2: written by another SM
   }
 
   __device__ static void publish(const float (&acc)[Cfg::kAccumulators], const StreamKParams& p, int64_t cluster,
@@ -144,13 +147,7 @@ struct SplitKReduce {
       hopper::copy_async_wait_all();
       for (int b = 0; b < n; ++b) {  // in piece order
 #pragma unroll
-        for (int v = 0; v < kVectors; ++v) {
-          const float4 x = ring[(b * kVectors + v) * threads + t];
-          acc[4 * v] += x.x;
-          acc[4 * v + 1] += x.y;
-          acc[4 * v + 2] += x.z;
-          acc[4 * v + 3] += x.w;
-        }
+        for (int v = 0; v < kVectors; ++v) Slots::add_vector(acc, v, ring[(b * kVectors + v) * threads + t]);
       }
     }
     return true;
