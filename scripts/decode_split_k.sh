@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The small-M (decode) kind on the GPU: build, its numerics tests, then the benchmark on
-# decode shapes for each JAX_HOPPER_SPLIT_K_WAVES in $WAVES (pieces per resident CTA;
-# cuda/gemm/launch.cuh: split_k_pieces), against jnp.dot in the same process each time.
-# Logs under $OUT (or ./device-out).
+# The small-M (decode) kind on the GPU: build, its numerics tests, the cluster capacity
+# probe, then the benchmark on decode shapes once per setting in $SETTINGS (each
+# "default" or an environment assignment such as JAX_HOPPER_SPLIT_K_CLUSTER=0 or
+# JAX_HOPPER_SPLIT_K_WAVES=2: cuda/gemm/launch.cuh), against jnp.dot in the same
+# process each time. Logs under $OUT (or ./device-out).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${OUT:-$REPO/device-out}
@@ -13,10 +14,17 @@ SKIP_BENCH=1 TESTS=${TESTS:-tests/test_numerics_gpu.py} PYTEST_K=${PYTEST_K:-sma
 rc=$?
 [ "$rc" = 0 ] || exit "$rc"  # no benchmark of a kernel that failed its tests
 cd /tmp || exit 1
-for w in ${WAVES:-4}; do
-  echo "== JAX_HOPPER_SPLIT_K_WAVES=$w"
-  JAX_HOPPER_SPLIT_K_WAVES=$w timeout 300 python3 -m jax_hopper.bench --shapes "$SHAPES" --dtype "${DTYPES:-f16}" \
-    --kernels small_m --stages "" --samples "${SAMPLES:-9}" --rounds 1 --no-torch --json "$LOG/decode_w$w.json" \
-    2>"$LOG/decode_w$w.err" | grep -E "small_m|jnp.dot|case" | tee "$LOG/decode_w$w.log"
+nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I"$REPO/cuda" --expt-relaxed-constexpr \
+  "$REPO/scripts/probe_clusters.cu" -o /tmp/probe_clusters && /tmp/probe_clusters | tee "$LOG/clusters.txt"
+for setting in ${SETTINGS:-default}; do
+  echo "== $setting"
+  tag=${setting//[^A-Za-z0-9]/_}
+  envs=()
+  [ "$setting" = default ] || envs=("$setting")
+  env "${envs[@]}" timeout 300 python3 -m jax_hopper.bench --shapes "$SHAPES" --dtype "${DTYPES:-f16}" \
+    --kernels small_m --stages "" --samples "${SAMPLES:-9}" --rounds 1 --no-torch --json "$LOG/decode_$tag.json" \
+    2>"$LOG/decode_$tag.err" | grep -E "small_m|jnp.dot|case" | tee "$LOG/decode_$tag.log"
 done
+# device_check.sh packed its logs at its exit; pack again with the benchmark's.
+(cd "$LOG" && tar czf 00-logs.tar.gz --exclude 00-logs.tar.gz -- *) 2>/dev/null
 exit $rc

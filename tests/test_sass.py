@@ -78,7 +78,7 @@ KIND_EXTRAS = {
     5: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_fused (dense: bias, activation, residual)
     6: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_streamk (stream-K tail)
     7: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_f16acc (opt-in f16 accumulation)
-    8: [*TMA_STORE, "ATOMG", "LDGSTS"],  # small_m (decode: split K, the last piece gathers the partials)
+    8: [*TMA_STORE, "ATOMG", "LDGSTS", "UCGABAR_ARV"],  # small_m (split K: summed in a cluster or by the last piece)
     9: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_pingpong (experimental: 128x128 per warpgroup)
     10: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_fused_grad (the MLP's backward form)
     11: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_fused_derivative (act and act' written)

@@ -109,10 +109,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
         auto cursor = work_cursor<Cfg>(work, cluster);
         for (WorkUnit unit; cursor.next(unit);)
           Main::load(pipe, smem, &tmap_a, &tmap_b, scheduler.tile(unit.tile, cta_rank), unit.k_begin, unit.k_end,
-                     cta_rank, st);
+                     cta_rank, st, typename Main::NoStageMark{}, work.l2_ahead);
         Main::drain(pipe, st);
       }
     }
+    if constexpr (Cfg::kSplitK) SplitKReduce<Cfg>::hold_for_peers(work);  // the whole warp
   } else {
     if constexpr (Cfg::kProducerWarpgroup) hopper::setmaxnreg_inc<Cfg::kConsumerRegisters>();
     using Epilogue = EpilogueOf<Cfg>;
@@ -171,6 +172,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
         if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, 0);
         Main::pass(pipe, k_tiles, read, Cfg::kFirstEpilogueBarrier + warpgroup);
         hand_over();
+        if constexpr (Cfg::kSplitK) SplitKReduce<Cfg>::hold_for_peers(work);
         continue;
       }
       uint32_t bias_pair = 0;

@@ -90,6 +90,22 @@ constexpr int kMaxCachedDevices = 64;
 // CTAs of this kernel that fit on the device at once (for clusters, what the GPC layout
 // allows). Split K is built for kCtasPerSm per SM (config.cuh checks that its shared
 // memory allows it); with fewer it is slower, not wrong: no CTA waits on another.
+// Clusters of `size` CTAs of this kernel that fit on the current device at once.
+template <class Cfg>
+Status query_active_clusters(const void* kernel, size_t smem, int size, int* clusters) {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(size);
+  attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
+  config.gridDim = dim3(static_cast<unsigned>(size));
+  config.blockDim = dim3(Cfg::kThreads);
+  config.dynamicSmemBytes = smem;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cuda_status(cudaOccupancyMaxActiveClusters(clusters, kernel, &config), "cudaOccupancyMaxActiveClusters");
+}
+
 template <class Cfg>
 Status query_resident_ctas(const void* kernel, size_t smem, int device, int* ctas) {
   if constexpr (Cfg::kClusterM == 1) {
@@ -101,19 +117,8 @@ Status query_resident_ctas(const void* kernel, size_t smem, int device, int* cta
     *ctas = sms * per_sm;
     return st;
   } else {
-    cudaLaunchConfig_t config = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = Cfg::kClusterM;
-    attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
-    config.gridDim = dim3(Cfg::kClusterM);
-    config.blockDim = dim3(Cfg::kThreads);
-    config.dynamicSmemBytes = smem;
-    config.attrs = attr;
-    config.numAttrs = 1;
     int clusters = 0;
-    const Status st =
-        cuda_status(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config), "cudaOccupancyMaxActiveClusters");
+    const Status st = query_active_clusters<Cfg>(kernel, smem, Cfg::kClusterM, &clusters);
     *ctas = clusters * Cfg::kClusterM;
     return st;
   }
@@ -207,11 +212,75 @@ inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
   return static_cast<int>(best);
 }
 
-// Workspace of a split: a partial-sum slot per unit, then a zeroed arrival counter per
-// tile. One piece needs none.
+// Split K in clusters (SplitKReduce): a tile's pieces, one cluster, are summed through
+// distributed shared memory, with no workspace, counters or L2 round trips. Clusters of
+// up to 8 CTAs are portable. Taken where the tiles fit one wave of clusters: of the
+// piece counts from the one-wave rule's down to 2, the first whose clusters all fit at
+// once (a cluster must fit in one GPC, so fewer CTAs may be resident in clusters than
+// alone). Otherwise (more pieces than a cluster holds, or more tiles than clusters) the
+// pieces meet in a global workspace.
+constexpr int kMaxClusterPieces = 8;
+
+// Measurement override (scripts/decode_split_k.sh): JAX_HOPPER_SPLIT_K_CLUSTER=0 sums
+// every split through the global workspace; read once per process.
+inline bool split_k_clusters_allowed() {
+  static const bool allowed = [] {
+    const char* env = std::getenv("JAX_HOPPER_SPLIT_K_CLUSTER");
+    return env == nullptr || std::atoi(env) != 0;
+  }();
+  return allowed;
+}
+
+// Split K streams B: each CTA also requests B's K tiles into L2 this far ahead of its
+// ring (Mainloop::load), so more of B is in flight from DRAM than the ring holds.
+// JAX_HOPPER_SPLIT_K_L2_AHEAD=D overrides it (measurement; read once per process).
+constexpr int kSplitKL2Ahead = 0;
+inline int split_k_l2_ahead() {
+  static const int ahead = [] {
+    const char* env = std::getenv("JAX_HOPPER_SPLIT_K_L2_AHEAD");
+    return env != nullptr ? std::max(0, std::atoi(env)) : kSplitKL2Ahead;
+  }();
+  return ahead;
+}
+
+// How many clusters of 2 .. kMaxClusterPieces CTAs fit on the device at once, queried
+// once per device and size.
+template <class Cfg>
+Status active_clusters(const void* kernel, size_t smem, int size, int* clusters) {
+  static std::atomic<int> cache[kMaxCachedDevices][kMaxClusterPieces + 1];
+  int device = 0;
+  Status st = cuda_status(cudaGetDevice(&device), "cudaGetDevice");
+  if (!st.ok()) return st;
+  const bool cacheable = device < kMaxCachedDevices;
+  if (cacheable && (*clusters = cache[device][size].load(std::memory_order_acquire)) > 0) return Status::Ok();
+  st = query_active_clusters<Cfg>(kernel, smem, size, clusters);
+  if (st.ok() && cacheable && *clusters > 0) cache[device][size].store(*clusters, std::memory_order_release);
+  return st;
+}
+
+template <class Cfg>
+Status choose_split_k_clusters(const void* kernel, size_t smem, int resident, WorkList* work) {
+  if (work->pieces < 2 || work->pieces > kMaxClusterPieces || work->num_tiles > resident ||
+      split_k_waves_override() > 0 || !split_k_clusters_allowed())
+    return Status::Ok();
+  for (int pieces = work->pieces; pieces >= 2; --pieces) {
+    int clusters = 0;
+    const Status st = active_clusters<Cfg>(kernel, smem, pieces, &clusters);
+    if (!st.ok()) return st;
+    if (work->num_tiles <= clusters) {
+      work->pieces = pieces;
+      work->cluster_pieces = true;
+      return Status::Ok();
+    }
+  }
+  return Status::Ok();
+}
+
+// Workspace of a split through global memory: a partial-sum slot per unit, then a zeroed
+// arrival counter per tile. One piece, or pieces in clusters, need none.
 template <class Cfg>
 Status prepare_split_k(const GemmArgs& args, cudaStream_t stream, const WorkList& work, StreamKParams* params) {
-  if (work.pieces == 1) return Status::Ok();
+  if (work.pieces == 1 || work.cluster_pieces) return Status::Ok();
   return prepare_partial_sums(args, stream, SplitKReduce<Cfg>::workspace_bytes(work.num_tiles * work.pieces),
                               static_cast<size_t>(work.num_tiles), "split K", params);
 }
@@ -296,9 +365,15 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   if (ctas > kMaxGridX) return Status::Invalid("too many output tiles for one launch");
   WorkList work{scheduler.num_tiles(), ctas / Cfg::kClusterM, k_tiles, false, Cfg::kMaxSplitsPerTile, pieces};
   StreamKParams stream_k{nullptr, nullptr};
+  int cluster_size = Cfg::kClusterM;
   if constexpr (Cfg::kSplitK) {
-    st = prepare_split_k<Cfg>(args, stream, work, &stream_k);
+    st = choose_split_k_clusters<Cfg>(reinterpret_cast<const void*>(kernel), kSmem, resident, &work);
+    if (st.ok()) st = prepare_split_k<Cfg>(args, stream, work, &stream_k);
     if (!st.ok()) return st;
+    ctas = work.num_tiles * work.pieces;
+    work.clusters = ctas;  // one unit per CTA
+    if (work.cluster_pieces) cluster_size = work.pieces;
+    work.l2_ahead = split_k_l2_ahead();
   }
   if constexpr (Cfg::kStreamK) {
     st = prepare_stream_k<Cfg>(args, stream, &work, &stream_k);
@@ -313,14 +388,14 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = Cfg::kClusterM;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster_size);
   attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
   config.gridDim = dim3(static_cast<unsigned>(ctas));
   config.blockDim = dim3(Cfg::kThreads);
   config.dynamicSmemBytes = kSmem;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = Cfg::kClusterM > 1 ? 1 : 0;
+  config.numAttrs = cluster_size > 1 ? 1 : 0;
   return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, tmap_c, out, work, scheduler, stream_k,
                                         tmap_d, tile_counter),
                      "gemm kernel launch");

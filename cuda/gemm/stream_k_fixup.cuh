@@ -13,6 +13,7 @@
 #include "gemm/config.cuh"
 #include "gemm/tile_scheduler.cuh"
 #include "hopper/async_copy.cuh"
+#include "hopper/cluster.cuh"
 #include "hopper/flag.cuh"
 #include "hopper/warpgroup.cuh"
 
@@ -90,17 +91,24 @@ struct StreamKFixup {
   }
 };
 
-// Split K (the small-M kind, one CTA per piece of a tile's K range): every piece stores
-// its partial sum in its own slot (unit u's: slot u) and counts itself in the tile's
-// arrival counter (zeroed per call); the piece that arrives last sums all of the
-// tile's slots in piece order and stores the tile. Nobody waits, and the sum is the
-// same whichever CTA finishes last: deterministic. The workspace is the stream-K kind's
-// (StreamKParams: `flags` holds one counter per tile).
-// The sum is on the kernel's critical path for the last tiles, and slot by slot it took
-// an L2 round trip per piece (about 1 us each, measured: BENCHMARKS.md). So the slots
-// are gathered a batch at a time into the ring's shared memory, free once the CTA's
-// mainloop is done, by cp.async (no register per load in flight), each thread fetching
-// and reading back only its own elements: one round trip per batch.
+// Split K (the small-M kind, one CTA per piece of a tile's K range). Two ways to sum a
+// tile's pieces, both in piece order, so the bits do not depend on which CTA finishes
+// first (deterministic):
+// - In a cluster (work.cluster_pieces; up to kMaxClusterPieces pieces): every piece
+//   leaves its partial sum in its own shared memory (the ring, free once its mainloop is
+//   done); after a cluster barrier piece 0 reads the others' through distributed shared
+//   memory and stores the tile; a second barrier keeps the others' shared memory alive
+//   until it has. No workspace, no counters to zero, no L2 round trips.
+// - Through global memory (more pieces than a cluster holds): every piece stores its
+//   partial sum in its own slot (unit u's: slot u) and counts itself in the tile's
+//   arrival counter (zeroed per call); the piece that arrives last sums all of the
+//   tile's slots and stores the tile. Nobody waits. The workspace is the stream-K kind's
+//   (StreamKParams: `flags` holds one counter per tile). This sum is on the kernel's
+//   critical path for the last tiles, and slot by slot it took an L2 round trip per
+//   piece (about 1 us each, measured: BENCHMARKS.md). So the slots are gathered a batch
+//   at a time into the ring's shared memory by cp.async (no register per load in
+//   flight), each thread fetching and reading back only its own elements: one round
+//   trip per batch.
 template <class Cfg>
 struct SplitKReduce {
   using Slots = StreamKFixup<Cfg>;
@@ -113,9 +121,18 @@ struct SplitKReduce {
     return static_cast<size_t>(units) * Slots::kSlotVectors * sizeof(float4);
   }
 
+  // The cluster barriers of the in-cluster sum, for the threads that hold no partial sum
+  // (the producer warp): every thread of every CTA of the cluster passes each of them.
+  __device__ static void hold_for_peers(const WorkList& work) {
+    if (!work.cluster_pieces) return;
+    hopper::cluster_sync();  // the partial sums are in shared memory
+    hopper::cluster_sync();  // piece 0 has read them
+  }
+
   // Returns whether this CTA's warpgroup holds the tile's total in `acc` and must store it.
   __device__ static bool reduce(float (&acc)[Cfg::kAccumulators], const StreamKParams& p, const WorkList& work,
                                 const WorkUnit& unit, SharedStorage<Cfg>& smem, int warpgroup, int rows) {
+    if (work.cluster_pieces) return reduce_in_cluster(acc, work, unit, smem, rows);
     const uint32_t barrier = Cfg::kFirstEpilogueBarrier + warpgroup;
     Slots::store_partial(acc, p.workspace + work.split_unit(unit.tile, unit.piece) * Slots::kSlotVectors, rows);
     __threadfence();  // each thread's stores before the barrier, then one arrival for all
@@ -151,6 +168,29 @@ struct SplitKReduce {
       }
     }
     return true;
+  }
+
+  // The in-cluster sum (cluster rank = piece): [vector][thread] in the ring, as in a slot.
+  __device__ static bool reduce_in_cluster(float (&acc)[Cfg::kAccumulators], const WorkList& work,
+                                           const WorkUnit& unit, SharedStorage<Cfg>& smem, int rows) {
+    static_assert(Slots::kSlotVectors <= kRingVectors, "a partial sum fits in the ring");
+    float4* partial = reinterpret_cast<float4*>(&smem.stages[0]);
+    const int t = hopper::thread_in_warpgroup();
+    const bool holds_rows = Slots::warp_has_rows(rows);
+    if (unit.piece != 0) Slots::store_partial(acc, partial, rows);
+    hopper::cluster_sync();  // releases this CTA's partial sum, acquires the peers'
+    if (unit.piece == 0 && holds_rows) {
+      for (int piece = 1; piece < work.pieces; ++piece) {
+        float4 x[kVectors];  // all of a peer's loads in flight at once, then the adds
+#pragma unroll
+        for (int v = 0; v < kVectors; ++v)
+          x[v] = hopper::load_shared_cluster_v4(&partial[v * hopper::kWarpgroupSize + t], static_cast<uint32_t>(piece));
+#pragma unroll
+        for (int v = 0; v < kVectors; ++v) Slots::add_vector(acc, v, x[v]);
+      }
+    }
+    hopper::cluster_sync();  // no CTA leaves while piece 0 may still read its shared memory
+    return unit.piece == 0;
   }
 };
 

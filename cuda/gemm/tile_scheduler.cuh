@@ -85,9 +85,18 @@ struct WorkList {
   bool split_tail;     // the host found the workspace for the partial sums
   int64_t max_splits;  // pieces per tail tile at most (the kind's kMaxSplitsPerTile)
   int pieces = 1;      // split K: pieces per tile (SplitKCursor)
+  // Split K: a tile's pieces are one cluster, summed through distributed shared memory
+  // (SplitKReduce), rather than separate CTAs meeting in a global workspace.
+  bool cluster_pieces = false;
+  // Split K: B's K tiles requested into L2 this far ahead of the ring (Mainloop::load).
+  int l2_ahead = 0;
 
-  // Split K: the CTA (and partial-sum slot) of a tile's piece.
-  __host__ __device__ int64_t split_unit(int64_t tile, int piece) const { return piece * num_tiles + tile; }
+  // Split K: the CTA (and, in a workspace, partial-sum slot) of a tile's piece. In
+  // clusters, a tile's pieces are neighbours (cluster rank = piece); otherwise the pieces
+  // follow one another, each a pass over all tiles.
+  __host__ __device__ int64_t split_unit(int64_t tile, int piece) const {
+    return cluster_pieces ? tile * pieces + piece : piece * num_tiles + tile;
+  }
 
   __host__ __device__ int64_t whole_tiles() const {
     return split_tail ? num_tiles / clusters * clusters : num_tiles;
@@ -151,11 +160,9 @@ struct WorkCursor {
   }
 };
 
-// Split K (the small-M kind): one CTA per unit, CTA u computing piece u / T of tile u % T
-// (T tiles), each piece an equal share of the K tiles. The pieces go in launch order one
-// after another, so CTAs running together read one band of B's rows, neighbouring
-// column strips of the same DRAM pages. With more than one piece every unit contributes
-// (SplitKReduce: the last to finish sums the tile).
+// Split K (the small-M kind): one CTA per unit (WorkList::split_unit), each piece an
+// equal share of the tile's K tiles. With more than one piece every unit contributes
+// (SplitKReduce sums the tile).
 struct SplitKCursor {
   const WorkList work;
   int64_t unit;
@@ -164,8 +171,8 @@ struct SplitKCursor {
   __device__ bool next(WorkUnit& u) {
     if (taken) return false;
     taken = true;
-    const int piece = static_cast<int>(unit / work.num_tiles);
-    const int64_t tile = unit - piece * work.num_tiles;
+    const int64_t tile = work.cluster_pieces ? unit / work.pieces : unit % work.num_tiles;
+    const int piece = static_cast<int>(work.cluster_pieces ? unit % work.pieces : unit / work.num_tiles);
     const int k_begin = static_cast<int>(piece * int64_t{work.k_tiles} / work.pieces);
     const int k_end = static_cast<int>((piece + 1) * int64_t{work.k_tiles} / work.pieces);
     u = WorkUnit{tile, k_begin, k_end, work.pieces > 1 ? UnitRole::kContributor : UnitRole::kWhole, piece};

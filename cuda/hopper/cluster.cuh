@@ -20,6 +20,22 @@ __device__ __forceinline__ void cluster_sync() {
                "barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// The float4 at `local`'s shared-memory offset in CTA `cta` of the cluster (distributed
+// shared memory: one SM-to-SM round trip, no L2).
+__device__ __forceinline__ float4 load_shared_cluster_v4(const void* local, uint32_t cta) {
+  float4 v;
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %4, %5;\n"
+      "ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [remote];\n"
+      "}\n"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+      : "r"(smem_addr(local)), "r"(cta)
+      : "memory");
+  return v;
+}
+
 // Arrives on the mbarrier at the same shared-memory offset in CTA `cta` of the cluster.
 // Default (CTA-scope) semantics, as CUTLASS's ClusterBarrier does: the consumers' reads
 // of the stage were wgmma (async proxy) reads already retired by wgmma.wait_group, so
