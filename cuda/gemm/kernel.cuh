@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
         auto cursor = work_cursor<Cfg>(work, cluster);
         for (WorkUnit unit; cursor.next(unit);)
           Main::load(pipe, smem, &tmap_a, &tmap_b, scheduler.tile(unit.tile, cta_rank), unit.k_begin, unit.k_end,
-                     cta_rank, st, typename Main::NoStageMark{}, Cfg::kSplitK ? work.l2_ahead : 0);
+                     cta_rank, st);
         Main::drain(pipe, st);
       }
     }

@@ -231,18 +231,6 @@ inline bool split_k_clusters_allowed() {
   return allowed;
 }
 
-// Split K streams B: each CTA also requests B's K tiles into L2 this far ahead of its
-// ring (Mainloop::load), so more of B is in flight from DRAM than the ring holds.
-// JAX_HOPPER_SPLIT_K_L2_AHEAD=D overrides it (measurement; read once per process).
-constexpr int kSplitKL2Ahead = 0;
-inline int split_k_l2_ahead() {
-  static const int ahead = [] {
-    const char* env = std::getenv("JAX_HOPPER_SPLIT_K_L2_AHEAD");
-    return env != nullptr ? std::max(0, std::atoi(env)) : kSplitKL2Ahead;
-  }();
-  return ahead;
-}
-
 // How many clusters of 2 .. kMaxClusterPieces CTAs fit on the device at once, queried
 // once per device and size.
 template <class Cfg>
@@ -373,7 +361,6 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
     ctas = work.num_tiles * work.pieces;
     work.clusters = ctas;  // one unit per CTA
     if (work.cluster_pieces) cluster_size = work.pieces;
-    work.l2_ahead = split_k_l2_ahead();
   }
   if constexpr (Cfg::kStreamK) {
     st = prepare_stream_k<Cfg>(args, stream, &work, &stream_k);

@@ -40,44 +40,24 @@ struct Mainloop {
     }
   }
 
-  // Asks L2 for this CTA's boxes of one operand tile (Mainloop::load's `l2_ahead`).
-  template <class Layout>
-  __device__ static void prefetch_tile(const CUtensorMap* tmap, int mn0, int k0, int batch, int first) {
-#pragma unroll
-    for (int i = 0; i < Layout::kBoxesPerCta; ++i) {
-      int32_t inner, outer;
-      Layout::box_coords(first + i, mn0, k0, inner, outer);
-      hopper::tma_prefetch_3d(tmap, inner, outer, batch);
-    }
-  }
-
   // K tiles [k_begin, k_end) of one output tile. `st` carries on across tiles, so a
   // persistent CTA's producer runs ahead into the next tile while the consumers finish
   // this one. `first_stage(index, full_barrier)` runs once the first K tile's stage is
   // acquired and returns the transaction bytes it adds to the stage's (the dynamic order
   // stores the tile there for the consumers, completing on the stage's barrier).
-  // `l2_ahead` > 0 (split K, a stream over B): B's tiles are requested into L2 that many
-  // K tiles ahead of the one being loaded, so more of B is on its way from DRAM than the
-  // ring has room for.
   struct NoStageMark {
     __device__ uint32_t operator()(int, uint64_t*) const { return 0; }
   };
   template <class FirstStage = NoStageMark>
   __device__ static void load(const Pipe& pipe, Storage& smem, const CUtensorMap* tmap_a,
                               const CUtensorMap* tmap_b, TileCoord tile, int k_begin, int k_end, int cta_rank,
-                              State& st, FirstStage first_stage = {}, int l2_ahead = 0) {
+                              State& st, FirstStage first_stage = {}) {
     const int m0 = tile.m_block * Cfg::kBlockM;
     const int n0 = tile.n_block * Cfg::kBlockN;
     // This CTA's share of B, delivered to every CTA of the cluster.
     constexpr uint16_t kClusterMask = Cfg::kClusterM > 1 ? (1u << Cfg::kClusterM) - 1 : 0;
     const int first_b_box = cta_rank * LayoutB::kBoxesPerCta;
-    // The first kStages loads go out at once (the ring is empty): prefetch what follows.
-    const int first_ahead = k_begin + Cfg::kStages;
-    for (int kt = first_ahead; kt < k_begin + l2_ahead && kt < k_end; ++kt)
-      prefetch_tile<LayoutB>(tmap_b, n0, kt * Cfg::kBlockK, tile.batch, first_b_box);
     for (int kt = k_begin; kt < k_end; ++kt) {
-      if (l2_ahead > 0 && kt + l2_ahead < k_end && kt + l2_ahead >= first_ahead)
-        prefetch_tile<LayoutB>(tmap_b, n0, (kt + l2_ahead) * Cfg::kBlockK, tile.batch, first_b_box);
       pipe.producer_acquire(st);
       uint64_t* bar = pipe.producer_barrier(st);
       const uint32_t marked = kt == k_begin ? first_stage(st.index, bar) : 0;

@@ -88,8 +88,6 @@ struct WorkList {
   // Split K: a tile's pieces are one cluster, summed through distributed shared memory
   // (SplitKReduce), rather than separate CTAs meeting in a global workspace.
   bool cluster_pieces = false;
-  // Split K: B's K tiles requested into L2 this far ahead of the ring (Mainloop::load).
-  int l2_ahead = 0;
 
   // Split K: the CTA (and, in a workspace, partial-sum slot) of a tile's piece. In
   // clusters, a tile's pieces are neighbours (cluster rank = piece); otherwise the pieces

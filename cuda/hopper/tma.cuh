@@ -30,16 +30,6 @@ __device__ __forceinline__ void tma_load_3d(void* smem_dst, const CUtensorMap* t
       : "memory");
 }
 
-// Asks L2 for a 3-D tile (no shared memory, no barrier): a later load of it then hits L2
-// instead of waiting for DRAM.
-__device__ __forceinline__ void tma_prefetch_3d(const CUtensorMap* tmap, int32_t inner, int32_t outer,
-                                                int32_t batch) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];" ::"l"(
-                   reinterpret_cast<uint64_t>(tmap)),
-               "r"(inner), "r"(outer), "r"(batch)
-               : "memory");
-}
-
 // The same load delivered to the same shared-memory offset of every CTA in `cta_mask`;
 // each destination's mbarrier (same offset) receives the transaction bytes.
 __device__ __forceinline__ void tma_load_3d_multicast(void* smem_dst, const CUtensorMap* tmap, uint64_t* bar,
