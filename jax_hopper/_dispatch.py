@@ -439,8 +439,8 @@ def _runnable(path: str, rule: str) -> tuple[str, str]:
 
 
 # Which of our kernels computes a product sent to our kernel (by a rule or by policy
-# "kernel"). Decode-sized M: the small-M kind (64x128 tiles, no cluster, every tile's K
-# range split into pieces, one CTA each) against the default kernel, f16 NN
+# "kernel"). Decode-sized M: the small-M kind (64x128 tiles, every tile's K range split
+# into pieces, one CTA each, summed within a cluster where they fit) against the default kernel, f16 NN
 # (BENCHMARKS.md, "Decode: the small-M kind"): its first form (a stream-K split) was
 # already 1.3-1.9x faster at M = 1-64 with N x K = 8192x8192, 14336x4096, 4096x14336 and
 # 16x4096x4096, 0.97x at 64x4096x4096, a tie at 128x8192x8192 and 0.62x at

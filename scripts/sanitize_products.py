@@ -32,8 +32,11 @@ CASES = [  # (kernel, dtype, batch, m, n, k, transpose_a, transpose_b, out_dtype
     ("persistent", jnp.float16, 0, 40, 520, 200, False, False, None),  # rows < 64: the second warpgroup passes
     ("persistent_f16acc", jnp.float16, 0, 300, 520, 200, False, False, None),  # four consumer warpgroups
     ("persistent_f16acc", jnp.float16, 2, 600, 264, 136, True, True, jnp.float32),
-    ("small_m", jnp.float16, 0, 16, 1000, 4160, False, False, None),  # K split 32 ways, warps past M idle
-    ("small_m", jnp.bfloat16, 0, 100, 264, 520, False, False, jnp.float32),  # two M tiles, f32 out
+    # Split K through global memory (32 pieces, warps past M idle), then in clusters (on an
+    # H200: 4 pieces over two M tiles with f32 out; 8 pieces, the largest cluster).
+    ("small_m", jnp.float16, 0, 16, 1000, 4160, False, False, None),
+    ("small_m", jnp.bfloat16, 0, 100, 264, 520, False, False, jnp.float32),
+    ("small_m", jnp.float16, 0, 16, 256, 1024, False, False, None),
     # C rows TMA cannot store (the deferred store's copy_out): odd N with B [N, K] (no
     # padding), ticketed tiles with one K tile; N = 2 mod 8, batched.
     ("persistent", jnp.float16, 0, 300, 1001, 200, False, True, None),

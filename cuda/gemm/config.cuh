@@ -26,10 +26,11 @@ struct GemmConfig {
   static constexpr int kStages = kStages_;
   // Decode-sized M (a few rows against a large B): the product is a stream over B, so
   // every SM must pull its share of B at once. One 64-row consumer warpgroup (no wgmma
-  // on rows that are not there) on 64x128 tiles, no cluster (a cluster's second CTA
-  // would hold rows past M), and every tile's K range cut into equal pieces, one CTA
-  // each (kSplitK), small enough that two CTAs share an SM (kCtasPerSm), in as few waves
-  // as the tiles allow (launch.cuh: split_k_pieces). Measured against the stream-K split it
+  // on rows that are not there) on 64x128 tiles, no multicast cluster (a second CTA
+  // along M would hold rows past M), and every tile's K range cut into equal pieces, one
+  // CTA each (kSplitK), small enough that two CTAs share an SM (kCtasPerSm), in as few
+  // waves as the tiles allow (launch.cuh: split_k_pieces); a tile's pieces form a
+  // cluster of their own where they fit, to be summed in shared memory (SplitKReduce). Measured against the stream-K split it
   // replaced (one CTA per SM, a finisher waiting on its contributors' flags): 16x8192x8192
   // in 38 us instead of 46 (BENCHMARKS.md, session of 2026-12-03 17:49).
   // Persistent (the other kinds): one CTA per SM walks the tiles, so the producer fills

@@ -105,10 +105,11 @@ struct GemmArgs {
 //  kPersistentF16Acc  opt-in, f16 only: the tutorial's final version -- 256x256 tiles,
 //                      four consumer warpgroups, accumulation in f16 (faster, less
 //                      accurate: README "f16 accumulation")
-//  kSmallM            decode-sized M: 64x128 tiles (one consumer warpgroup), no
-//                      cluster, every tile's K range split into pieces, one CTA each
-//                      (two per SM, one wave), the last piece of a tile to finish
-//                      summing the partials in piece order (deterministic)
+//  kSmallM            decode-sized M: 64x128 tiles (one consumer warpgroup), every
+//                      tile's K range split into pieces, one CTA each (two per SM,
+//                      one wave), summed in piece order (deterministic): in a cluster
+//                      of the tile's pieces through distributed shared memory, or,
+//                      beyond 8 pieces, by the last piece through global memory
 //  kPersistentPingpong EXPERIMENTAL: 128x128 tiles, each consumer warpgroup owns whole
 //                      tiles (the CTA's even and odd ones), so one warpgroup's epilogue
 //                      runs under the other's MMAs (one of cuBLASLt's 4096^3 candidates);

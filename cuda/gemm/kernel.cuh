@@ -167,7 +167,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
       const int col0 = tile.n_block * Cfg::kBlockN;
       // Rows all past M (small M: the second warpgroup, the cluster's second CTA; in
       // ping-pong a whole tile past M): no MMAs, no stores. A stream-K finisher and its contributors share a tile, CTA rank
-      // and warpgroup, so they skip together (nothing is published or awaited).
+      // and warpgroup, so they skip together (nothing is published or awaited); so do a
+      // tile's split-K pieces, which still pass their cluster's barriers (hold_for_peers).
       if (row0 >= out.m) {
         if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, 0);
         Main::pass(pipe, k_tiles, read, Cfg::kFirstEpilogueBarrier + warpgroup);
@@ -248,6 +249,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     if constexpr (Cfg::kTmaStoreEpilogue) Epilogue::finish();
   }
   // No CTA may exit while a peer can still multicast into or arrive on its shared memory.
+  // (Split K's clusters: SplitKReduce's second barrier.)
   if constexpr (Cfg::kClusterM > 1) hopper::cluster_sync();
 }
 

@@ -87,10 +87,8 @@ Status encode_output(CUtensorMap* map, const GemmArgs& args, void* c, bool* usab
 // occupancy queries and function attributes are not free, and XLA calls us per step.
 constexpr int kMaxCachedDevices = 64;
 
-// CTAs of this kernel that fit on the device at once (for clusters, what the GPC layout
-// allows). Split K is built for kCtasPerSm per SM (config.cuh checks that its shared
-// memory allows it); with fewer it is slower, not wrong: no CTA waits on another.
-// Clusters of `size` CTAs of this kernel that fit on the current device at once.
+// Clusters of `size` CTAs of this kernel that fit on the current device at once (a
+// cluster must fit in one GPC, so this can be fewer than the CTAs that fit alone).
 template <class Cfg>
 Status query_active_clusters(const void* kernel, size_t smem, int size, int* clusters) {
   cudaLaunchConfig_t config = {};
@@ -106,6 +104,10 @@ Status query_active_clusters(const void* kernel, size_t smem, int size, int* clu
   return cuda_status(cudaOccupancyMaxActiveClusters(clusters, kernel, &config), "cudaOccupancyMaxActiveClusters");
 }
 
+// CTAs of this kernel that fit on the device at once (for clusters, what the GPC layout
+// allows). Split K is built for kCtasPerSm per SM (config.cuh checks that its shared
+// memory allows it); with fewer it is slower, not wrong: the pieces of a tile in a
+// cluster are co-scheduled by the hardware, and outside one no CTA waits on another.
 template <class Cfg>
 Status query_resident_ctas(const void* kernel, size_t smem, int device, int* ctas) {
   if constexpr (Cfg::kClusterM == 1) {
@@ -183,7 +185,8 @@ Status prepare_stream_k(const GemmArgs& args, cudaStream_t stream, WorkList* wor
 // piece per tile), the one with the least waves x (K tiles per piece +
 // kPieceOverheadKTiles): at 16x50257x4096, 393 tiles, 2 pieces in 3 full waves rather
 // than 1 in 1.5. No piece shorter than kMinSplitKTiles K tiles. The pieces depend on the
-// SM count, so the bits do too (they are the same on every call on one device).
+// SM count and, in clusters, on the GPC layout (choose_split_k_clusters), so the bits do
+// too (they are the same on every call on one device).
 constexpr int kPieceOverheadKTiles = 6;
 constexpr int kMaxSplitKWaves = 8;
 constexpr int kMinSplitKTiles = 2;
@@ -232,36 +235,42 @@ inline bool split_k_clusters_allowed() {
 }
 
 // How many clusters of 2 .. kMaxClusterPieces CTAs fit on the device at once, queried
-// once per device and size.
+// once per device and size (cached as count + 1, so that 0 is remembered too). A failed
+// query counts as none: the split then goes through global memory, which needs no
+// cluster.
 template <class Cfg>
-Status active_clusters(const void* kernel, size_t smem, int size, int* clusters) {
+int active_clusters(const void* kernel, size_t smem, int size) {
   static std::atomic<int> cache[kMaxCachedDevices][kMaxClusterPieces + 1];
   int device = 0;
-  Status st = cuda_status(cudaGetDevice(&device), "cudaGetDevice");
-  if (!st.ok()) return st;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();  // a failed query is no error of the launch: clear it
+    return 0;
+  }
   const bool cacheable = device < kMaxCachedDevices;
-  if (cacheable && (*clusters = cache[device][size].load(std::memory_order_acquire)) > 0) return Status::Ok();
-  st = query_active_clusters<Cfg>(kernel, smem, size, clusters);
-  if (st.ok() && cacheable && *clusters > 0) cache[device][size].store(*clusters, std::memory_order_release);
-  return st;
+  if (cacheable) {
+    if (const int cached = cache[device][size].load(std::memory_order_acquire); cached > 0) return cached - 1;
+  }
+  int clusters = 0;
+  if (!query_active_clusters<Cfg>(kernel, smem, size, &clusters).ok()) {
+    (void)cudaGetLastError();
+    clusters = 0;
+  }
+  if (cacheable) cache[device][size].store(clusters + 1, std::memory_order_release);
+  return clusters;
 }
 
 template <class Cfg>
-Status choose_split_k_clusters(const void* kernel, size_t smem, int resident, WorkList* work) {
+void choose_split_k_clusters(const void* kernel, size_t smem, int resident, WorkList* work) {
   if (work->pieces < 2 || work->pieces > kMaxClusterPieces || work->num_tiles > resident ||
       split_k_waves_override() > 0 || !split_k_clusters_allowed())
-    return Status::Ok();
+    return;
   for (int pieces = work->pieces; pieces >= 2; --pieces) {
-    int clusters = 0;
-    const Status st = active_clusters<Cfg>(kernel, smem, pieces, &clusters);
-    if (!st.ok()) return st;
-    if (work->num_tiles <= clusters) {
+    if (work->num_tiles <= active_clusters<Cfg>(kernel, smem, pieces)) {
       work->pieces = pieces;
       work->cluster_pieces = true;
-      return Status::Ok();
+      return;
     }
   }
-  return Status::Ok();
 }
 
 // Workspace of a split through global memory: a partial-sum slot per unit, then a zeroed
@@ -355,8 +364,8 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   StreamKParams stream_k{nullptr, nullptr};
   int cluster_size = Cfg::kClusterM;
   if constexpr (Cfg::kSplitK) {
-    st = choose_split_k_clusters<Cfg>(reinterpret_cast<const void*>(kernel), kSmem, resident, &work);
-    if (st.ok()) st = prepare_split_k<Cfg>(args, stream, work, &stream_k);
+    choose_split_k_clusters<Cfg>(reinterpret_cast<const void*>(kernel), kSmem, resident, &work);
+    st = prepare_split_k<Cfg>(args, stream, work, &stream_k);
     if (!st.ok()) return st;
     ctas = work.num_tiles * work.pieces;
     work.clusters = ctas;  // one unit per CTA

@@ -1,7 +1,8 @@
-// Partial sums handed between CTAs through a global workspace. Stream-K tail
-// (tile_scheduler.cuh: WorkList): a contributor hands its partial accumulator to the
-// finisher of the tile, one flag per (cluster, CTA rank, consumer warpgroup). Split K
-// (the small-M kind): SplitKReduce below. Each thread stores and loads its own
+// Partial sums handed between CTAs: through a global workspace, or (split K in a
+// cluster) through distributed shared memory. Stream-K tail (tile_scheduler.cuh:
+// WorkList): a contributor hands its partial accumulator to the finisher of the tile,
+// one flag per (cluster, CTA rank, consumer warpgroup). Split K (the small-M kind):
+// SplitKReduce below. Each thread stores and loads its own
 // accumulator registers as float4s laid out [vector][thread], so both sides coalesce.
 // A warp's accumulators are 16 rows of the warpgroup's 64 (wgmma's m64 layout); in the
 // small-M kind, warps whose rows all lie past M (M = 16 uses one warp of four) move
@@ -123,16 +124,17 @@ struct SplitKReduce {
 
   // The cluster barriers of the in-cluster sum, for the threads that hold no partial sum
   // (the producer warp): every thread of every CTA of the cluster passes each of them.
+  // Nothing of theirs to publish: relaxed arrivals.
   __device__ static void hold_for_peers(const WorkList& work) {
     if (!work.cluster_pieces) return;
-    hopper::cluster_sync();  // the partial sums are in shared memory
-    hopper::cluster_sync();  // piece 0 has read them
+    hopper::cluster_sync_relaxed();  // the partial sums are in shared memory
+    hopper::cluster_sync_relaxed();  // piece 0 has read them
   }
 
   // Returns whether this CTA's warpgroup holds the tile's total in `acc` and must store it.
   __device__ static bool reduce(float (&acc)[Cfg::kAccumulators], const StreamKParams& p, const WorkList& work,
                                 const WorkUnit& unit, SharedStorage<Cfg>& smem, int warpgroup, int rows) {
-    if (work.cluster_pieces) return reduce_in_cluster(acc, work, unit, smem, rows);
+    if (work.cluster_pieces) return reduce_in_cluster(acc, work, unit, smem, warpgroup, rows);
     const uint32_t barrier = Cfg::kFirstEpilogueBarrier + warpgroup;
     Slots::store_partial(acc, p.workspace + work.split_unit(unit.tile, unit.piece) * Slots::kSlotVectors, rows);
     __threadfence();  // each thread's stores before the barrier, then one arrival for all
@@ -172,14 +174,20 @@ struct SplitKReduce {
 
   // The in-cluster sum (cluster rank = piece): [vector][thread] in the ring, as in a slot.
   __device__ static bool reduce_in_cluster(float (&acc)[Cfg::kAccumulators], const WorkList& work,
-                                           const WorkUnit& unit, SharedStorage<Cfg>& smem, int rows) {
+                                           const WorkUnit& unit, SharedStorage<Cfg>& smem, int warpgroup, int rows) {
     static_assert(Slots::kSlotVectors <= kRingVectors, "a partial sum fits in the ring");
     float4* partial = reinterpret_cast<float4*>(&smem.stages[0]);
     const int t = hopper::thread_in_warpgroup();
-    const bool holds_rows = Slots::warp_has_rows(rows);
-    if (unit.piece != 0) Slots::store_partial(acc, partial, rows);
-    hopper::cluster_sync();  // releases this CTA's partial sum, acquires the peers'
-    if (unit.piece == 0 && holds_rows) {
+    if (unit.piece != 0) {
+      // Every warp's wgmma reads of the ring are retired before any warp overwrites it.
+      hopper::named_barrier_sync(Cfg::kFirstEpilogueBarrier + warpgroup, hopper::kWarpgroupSize);
+      Slots::store_partial(acc, partial, rows);
+      hopper::cluster_sync();  // releases this CTA's partial sum to piece 0
+      hopper::cluster_sync_relaxed();  // piece 0 has read it: the shared memory may go
+      return false;
+    }
+    hopper::cluster_sync_relaxed();  // acquires the peers' partial sums
+    if (Slots::warp_has_rows(rows)) {
       for (int piece = 1; piece < work.pieces; ++piece) {
         float4 x[kVectors];  // all of a peer's loads in flight at once, then the adds
 #pragma unroll
@@ -189,8 +197,8 @@ struct SplitKReduce {
         for (int v = 0; v < kVectors; ++v) Slots::add_vector(acc, v, x[v]);
       }
     }
-    hopper::cluster_sync();  // no CTA leaves while piece 0 may still read its shared memory
-    return unit.piece == 0;
+    hopper::cluster_sync();  // the release orders the reads above before the peers may exit
+    return true;
   }
 };
 

@@ -20,6 +20,14 @@ __device__ __forceinline__ void cluster_sync() {
                "barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// A cluster-wide barrier for threads with no shared-memory writes to publish (or whose
+// peers need none of them): the relaxed arrival skips the release fence (a MEMBAR); the
+// wait still acquires.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 // The float4 at `local`'s shared-memory offset in CTA `cta` of the cluster (distributed
 // shared memory: one SM-to-SM round trip, no L2).
 __device__ __forceinline__ float4 load_shared_cluster_v4(const void* local, uint32_t cta) {
