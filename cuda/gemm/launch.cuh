@@ -217,12 +217,20 @@ inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
 
 // Split K in clusters (SplitKReduce): a tile's pieces, one cluster, are summed through
 // distributed shared memory, with no workspace, counters or L2 round trips. Clusters of
-// up to 8 CTAs are portable. Taken where the tiles fit one wave of clusters: of the
-// piece counts from the one-wave rule's down to 2, the first whose clusters all fit at
-// once (a cluster must fit in one GPC, so fewer CTAs may be resident in clusters than
-// alone). Otherwise (more pieces than a cluster holds, or more tiles than clusters) the
-// pieces meet in a global workspace.
+// up to 8 CTAs are portable. A cluster must fit in one GPC, so fewer CTAs may be
+// resident in clusters than alone: of the piece counts from the one-wave rule's down to
+// 2, the first whose clusters all fit at once is taken if it is the rule's own or its
+// pieces are still at least kMinClusterPieceKTiles K tiles long. Measured on an H200
+// (BENCHMARKS.md, session of 2026-12-03 22:47), clusters against the global workspace:
+// long pieces stream B at full bandwidth, so fewer of them cost nothing and the cheaper
+// sum wins (N = K = 8192, 64 tiles: 3 pieces of 43 K tiles in clusters against 4 of 32,
+// M = 16 38.3 vs 39.1 us, M = 64 40.3 vs 45.5); short ones are latency-bound, so fewer
+// pieces are slower (16x4096x4096: 7 of 10 K tiles 14.9 us against 8 of 8 13.9 us;
+// 16x5120x4096: 5 against 6, 17.1 vs 16.5). Between 13 and 43 K tiles is unmeasured.
+// Otherwise (more pieces than a cluster holds, more tiles than clusters, or short pieces
+// lost) the pieces meet in a global workspace.
 constexpr int kMaxClusterPieces = 8;
+constexpr int kMinClusterPieceKTiles = 32;
 
 // Measurement override (scripts/decode_split_k.sh): JAX_HOPPER_SPLIT_K_CLUSTER=0 sums
 // every split through the global workspace; read once per process.
@@ -265,11 +273,12 @@ void choose_split_k_clusters(const void* kernel, size_t smem, int resident, Work
       split_k_waves_override() > 0 || !split_k_clusters_allowed())
     return;
   for (int pieces = work->pieces; pieces >= 2; --pieces) {
-    if (work->num_tiles <= active_clusters<Cfg>(kernel, smem, pieces)) {
+    if (work->num_tiles > active_clusters<Cfg>(kernel, smem, pieces)) continue;
+    if (pieces == work->pieces || work->k_tiles / pieces >= kMinClusterPieceKTiles) {
       work->pieces = pieces;
       work->cluster_pieces = true;
-      return;
     }
+    return;
   }
 }
 
