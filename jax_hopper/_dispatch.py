@@ -446,9 +446,10 @@ def _runnable(path: str, rule: str) -> tuple[str, str]:
 # 16x4096x4096, 0.97x at 64x4096x4096, a tie at 128x8192x8192 and 0.62x at
 # 128x14336x4096; its split-K form is faster still on every decode shape measured
 # (session of 2026-12-03 17:49). Compiled for jnp.dot's layout, unbatched. Neither
-# beats jnp.dot on decode shapes (XLA's Triton split-K there; the split-K form: 0.82-0.92x
-# at M <= 64 where N x K >= 4096 x 14336, 0.58x at 16x4096x4096), so "auto" keeps them on XLA; this picks the kind
-# once our kernel is asked for.
+# beats jnp.dot on decode shapes (XLA's Triton split-K there; the split-K form, summed in
+# clusters: 0.83-0.98x at M <= 64 where N x K >= 4096 x 14336, 0.59x at 16x4096x4096;
+# session of 2026-12-03 22:47), so "auto" keeps them on XLA; this picks the kind once our
+# kernel is asked for.
 SMALL_M_MAX_ROWS = 64
 
 
