@@ -38,8 +38,9 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # The opt-in f16-accumulating kind (256x256 tiles, four consumer warpgroups; f16 only)
 # is reached through accumulation="f16" on the public ops.
 # 5 is the fused kind, reached through jax_hopper.dense only. "small_m" is for decode-
-# sized M (64x128 tiles, no cluster, every tile's K range split into pieces, one CTA
-# each, two CTAs per SM; f16/bf16, jnp.dot's layout).
+# sized M (64x128 tiles, every tile's K range split into pieces, one CTA each, two CTAs
+# per SM, a tile's pieces summed within a cluster where that pays; f16/bf16, jnp.dot's
+# layout).
 KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3, "persistent_wait0": 4,
            "persistent_streamk": 6, "persistent_f16acc": 7, "small_m": 8, "persistent_pingpong": 9,
            "persistent_immediate": 10, "persistent_static": 11}

@@ -108,8 +108,9 @@ struct GemmArgs {
 //  kSmallM            decode-sized M: 64x128 tiles (one consumer warpgroup), every
 //                      tile's K range split into pieces, one CTA each (two per SM,
 //                      one wave), summed in piece order (deterministic): in a cluster
-//                      of the tile's pieces through distributed shared memory, or,
-//                      beyond 8 pieces, by the last piece through global memory
+//                      of the tile's pieces through distributed shared memory, or
+//                      (more than 8 pieces, or short pieces a cluster would cut
+//                      fewer) by the last piece through global memory
 //  kPersistentPingpong EXPERIMENTAL: 128x128 tiles, each consumer warpgroup owns whole
 //                      tiles (the CTA's even and odd ones), so one warpgroup's epilogue
 //                      runs under the other's MMAs (one of cuBLASLt's 4096^3 candidates);
