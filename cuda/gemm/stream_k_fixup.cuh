@@ -100,10 +100,11 @@ struct StreamKFixup {
 //   done); after a cluster barrier piece 0 reads the others' through distributed shared
 //   memory and stores the tile; a second barrier keeps the others' shared memory alive
 //   until it has. No workspace, no counters to zero, no L2 round trips.
-// - Through global memory (more pieces than a cluster holds): every piece stores its
-//   partial sum in its own slot (unit u's: slot u) and counts itself in the tile's
-//   arrival counter (zeroed per call); the piece that arrives last sums all of the
-//   tile's slots and stores the tile. Nobody waits. The workspace is the stream-K kind's
+// - Through global memory (where clusters do not fit or do not pay: launch.cuh,
+//   choose_split_k_clusters): every piece stores its partial sum in its own slot (unit
+//   u's: slot u) and counts itself in the tile's arrival counter (zeroed per call); the
+//   piece that arrives last sums all of the tile's slots and stores the tile. Nobody
+//   waits. The workspace is the stream-K kind's
 //   (StreamKParams: `flags` holds one counter per tile). This sum is on the kernel's
 //   critical path for the last tiles, and slot by slot it took an L2 round trip per
 //   piece (about 1 us each, measured: BENCHMARKS.md). So the slots are gathered a batch
