@@ -113,7 +113,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
         Main::drain(pipe, st);
       }
     }
-    if constexpr (Cfg::kSplitK) SplitKReduce<Cfg>::hold_for_peers(work);  // the whole warp
+    if constexpr (Cfg::kSplitK) {
+      __syncwarp();  // the cluster barriers are .aligned: the whole warp, converged
+      SplitKReduce<Cfg>::hold_for_peers(work);
+    }
   } else {
     if constexpr (Cfg::kProducerWarpgroup) hopper::setmaxnreg_inc<Cfg::kConsumerRegisters>();
     using Epilogue = EpilogueOf<Cfg>;

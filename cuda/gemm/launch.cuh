@@ -87,20 +87,31 @@ Status encode_output(CUtensorMap* map, const GemmArgs& args, void* c, bool* usab
 // occupancy queries and function attributes are not free, and XLA calls us per step.
 constexpr int kMaxCachedDevices = 64;
 
+// A launch of `ctas` CTAs of this kernel in clusters of `cluster_size` along x (the
+// attribute is set even for 1, as the occupancy query of single-CTA clusters needs it);
+// `attr` must outlive the returned config.
+template <class Cfg>
+cudaLaunchConfig_t launch_config(int64_t ctas, int cluster_size, size_t smem, cudaStream_t stream,
+                                 cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t config = {};
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = static_cast<unsigned>(cluster_size);
+  attr->val.clusterDim.y = attr->val.clusterDim.z = 1;
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(Cfg::kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return config;
+}
+
 // Clusters of `size` CTAs of this kernel that fit on the current device at once (a
 // cluster must fit in one GPC, so this can be fewer than the CTAs that fit alone).
 template <class Cfg>
 Status query_active_clusters(const void* kernel, size_t smem, int size, int* clusters) {
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(size);
-  attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
-  config.gridDim = dim3(static_cast<unsigned>(size));
-  config.blockDim = dim3(Cfg::kThreads);
-  config.dynamicSmemBytes = smem;
-  config.attrs = attr;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t config = launch_config<Cfg>(size, size, smem, nullptr, &attr);
   return cuda_status(cudaOccupancyMaxActiveClusters(clusters, kernel, &config), "cudaOccupancyMaxActiveClusters");
 }
 
@@ -249,9 +260,12 @@ inline bool split_k_clusters_allowed() {
 template <class Cfg>
 int active_clusters(const void* kernel, size_t smem, int size) {
   static std::atomic<int> cache[kMaxCachedDevices][kMaxClusterPieces + 1];
+  // A failed query is no error of the launch: its error is cleared below. An error left
+  // pending by earlier work is not ours to clear, so with one nothing is queried.
+  if (cudaPeekAtLastError() != cudaSuccess) return 0;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();  // a failed query is no error of the launch: clear it
+    (void)cudaGetLastError();
     return 0;
   }
   const bool cacheable = device < kMaxCachedDevices;
@@ -390,17 +404,9 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
     if (!st.ok()) return st;
   }
 
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster_size);
-  attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
-  config.gridDim = dim3(static_cast<unsigned>(ctas));
-  config.blockDim = dim3(Cfg::kThreads);
-  config.dynamicSmemBytes = kSmem;
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = cluster_size > 1 ? 1 : 0;
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t config = launch_config<Cfg>(ctas, cluster_size, kSmem, stream, &attr);
+  config.numAttrs = cluster_size > 1 ? 1 : 0;  // as before clusters: no attribute without one
   return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, tmap_c, out, work, scheduler, stream_k,
                                         tmap_d, tile_counter),
                      "gemm kernel launch");
