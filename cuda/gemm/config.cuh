@@ -160,6 +160,24 @@ struct GemmConfig {
   using LayoutA = OperandLayout<Element, kMajorA, kBlockM, kBlockK>;  // a ping-pong stage holds one tile
   using LayoutB = OperandLayout<Element, kMajorB, kBlockN, kBlockK, kClusterM>;
   static constexpr uint32_t kStageBytes = LayoutA::kBytes + LayoutB::kBytes;  // TMA tx bytes
+  // Decode-sized M with K-major A (A [M, K], the usual activations): a stage loads only
+  // A's rows up to M, rounded up to a swizzle atom (8 rows), not the tile's 64. TMA's
+  // zero fill of a box's rows past M is no saving: Nsight counted those rows as L2
+  // reads like the others (16x4096x4096: 52 MB from L2 to the SMs, of which 33.7 MB
+  // are B, where XLA's kernel reads 38). The rows past the box keep whatever the ring
+  // held; wgmma multiplies them into accumulator rows past M, which are never summed
+  // with others or stored (each output row depends only on its own row of A).
+  static constexpr bool kTrimmedA = kSmallM && LayoutA::kKMajor;
+  __host__ __device__ static constexpr int a_box_rows(int64_t m) {
+    return kTrimmedA && m < kBlockM ? static_cast<int>((m + kSwizzleAtomRows - 1) / kSwizzleAtomRows) *
+                                          kSwizzleAtomRows
+                                    : LayoutA::kBoxOuter;
+  }
+  static_assert(!kTrimmedA || LayoutA::kBytes == LayoutA::kBoxOuter * kSwizzleBytes, "K-major A: a row per swizzle row");
+  // A stage's TMA transaction bytes when A's box has `a_rows` rows.
+  __host__ __device__ static constexpr uint32_t stage_bytes(int a_rows) {
+    return kTrimmedA ? static_cast<uint32_t>(a_rows) * kSwizzleBytes + LayoutB::kBytes : kStageBytes;
+  }
 
   static constexpr int64_t kSmemReserve = 2 * 1024;
   // The backward form's bias-gradient scratch (column_sums.cuh): [4 warps][kBlockN] f32

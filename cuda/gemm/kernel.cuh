@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
                                                           cta_rank);
         for (int32_t t = tickets.first(); t != kNoTile; t = tickets.next()) {  // tiles fit in int32 (host-checked)
           const TileCoord tile = scheduler.tile(t, cta_rank);
-          Main::load(pipe, smem, &tmap_a, &tmap_b, tile, 0, work.k_tiles, cta_rank, st,
+          Main::load(pipe, smem, &tmap_a, &tmap_b, tile, 0, work.k_tiles, cta_rank, work.a_box_rows, st,
                      [&slots, tile, cta_rank](int index, uint64_t* bar) {
                        return mark_stage(slots, index, tile, static_cast<uint32_t>(cta_rank), bar);
                      });
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
         auto cursor = work_cursor<Cfg>(work, cluster);
         for (WorkUnit unit; cursor.next(unit);)
           Main::load(pipe, smem, &tmap_a, &tmap_b, scheduler.tile(unit.tile, cta_rank), unit.k_begin, unit.k_end,
-                     cta_rank, st);
+                     cta_rank, work.a_box_rows, st);
         Main::drain(pipe, st);
       }
     }

@@ -35,17 +35,18 @@ inline Status cuda_status(cudaError_t err, const char* what) {
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t kMaxGridX = (int64_t{1} << 31) - 1;
 
-// Tensor map of one operand: `mn` is its M (or N) extent, `ld` its stored row length.
+// Tensor map of one operand: `mn` is its M (or N) extent, `ld` its stored row length;
+// `box_outer` overrides the layout's box (K-major A's rows in the small-M kind).
 template <class Layout>
 Status encode_operand(CUtensorMap* map, const void* ptr, int64_t mn, int64_t k, int64_t ld, int64_t batch,
-                      int64_t batch_stride) {
+                      int64_t batch_stride, int box_outer = Layout::kBoxOuter) {
   hopper::TensorMap3d d;
   d.base = ptr;
   d.row_stride = static_cast<uint64_t>(ld);
   d.batch = static_cast<uint64_t>(batch);
   d.batch_stride = static_cast<uint64_t>(batch_stride);
   d.box_inner = Layout::kBoxInner;
-  d.box_outer = Layout::kBoxOuter;
+  d.box_outer = static_cast<uint32_t>(box_outer);
   d.inner = static_cast<uint64_t>(Layout::kKMajor ? k : mn);
   d.outer = static_cast<uint64_t>(Layout::kKMajor ? mn : k);
   return hopper::encode_tensor_map_3d(map, d);
@@ -319,11 +320,22 @@ inline Status prepare_tile_counter(const GemmArgs& args, cudaStream_t stream, co
   return cuda_status(cudaMemsetAsync(memory, 0, sizeof(uint32_t), stream), "zeroing the ticket counter");
 }
 
+// Measurement override (scripts/decode_split_k.sh): JAX_HOPPER_SMALL_M_WHOLE_A=1 loads
+// A's whole 64-row tile per stage in the small-M kind, as before the trim; read once.
+inline bool small_m_whole_a() {
+  static const bool whole = [] {
+    const char* env = std::getenv("JAX_HOPPER_SMALL_M_WHOLE_A");
+    return env != nullptr && std::atoi(env) != 0;
+  }();
+  return whole;
+}
+
 template <class Cfg>
 Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   CUtensorMap tmap_a, tmap_b, tmap_c = {};
+  const int a_box_rows = small_m_whole_a() ? Cfg::LayoutA::kBoxOuter : Cfg::a_box_rows(args.m);
   Status st = encode_operand<typename Cfg::LayoutA>(&tmap_a, args.a, args.m, args.k_of_a(), args.lda, args.batch,
-                                                    args.batch_stride_a);
+                                                    args.batch_stride_a, a_box_rows);
   if (!st.ok()) return st;
   st = encode_operand<typename Cfg::LayoutB>(&tmap_b, args.b, args.n, args.k_of_b(), args.ldb, args.batch,
                                              args.batch_stride_b);
@@ -384,6 +396,7 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   }
   if (ctas > kMaxGridX) return Status::Invalid("too many output tiles for one launch");
   WorkList work{scheduler.num_tiles(), ctas / Cfg::kClusterM, k_tiles, false, Cfg::kMaxSplitsPerTile, pieces};
+  work.a_box_rows = a_box_rows;
   StreamKParams stream_k{nullptr, nullptr};
   int cluster_size = Cfg::kClusterM;
   if constexpr (Cfg::kSplitK) {

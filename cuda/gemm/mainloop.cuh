@@ -48,10 +48,12 @@ struct Mainloop {
   struct NoStageMark {
     __device__ uint32_t operator()(int, uint64_t*) const { return 0; }
   };
+  // `a_rows`: the rows of A's box (WorkList::a_box_rows), which set the stage's bytes.
   template <class FirstStage = NoStageMark>
   __device__ static void load(const Pipe& pipe, Storage& smem, const CUtensorMap* tmap_a,
                               const CUtensorMap* tmap_b, TileCoord tile, int k_begin, int k_end, int cta_rank,
-                              State& st, FirstStage first_stage = {}) {
+                              int a_rows, State& st, FirstStage first_stage = {}) {
+    const uint32_t stage_bytes = Cfg::stage_bytes(a_rows);
     const int m0 = tile.m_block * Cfg::kBlockM;
     const int n0 = tile.n_block * Cfg::kBlockN;
     // This CTA's share of B, delivered to every CTA of the cluster.
@@ -63,7 +65,7 @@ struct Mainloop {
       const uint32_t marked = kt == k_begin ? first_stage(st.index, bar) : 0;
       // Out-of-bounds parts of a box are zero-filled and still count toward the bytes;
       // the peers' shares of B land on this CTA's barrier too.
-      pipe.producer_expect(st, Cfg::kStageBytes + marked);
+      pipe.producer_expect(st, stage_bytes + marked);
       auto& stage = smem.stages[st.index];
       load_tile<LayoutA>(stage.a, tmap_a, bar, m0, kt * Cfg::kBlockK, tile.batch, 0, 0);
       load_tile<LayoutB>(stage.b, tmap_b, bar, n0, kt * Cfg::kBlockK, tile.batch, first_b_box, kClusterMask);

@@ -88,6 +88,9 @@ struct WorkList {
   // Split K: a tile's pieces are one cluster, summed through distributed shared memory
   // (SplitKReduce), rather than separate CTAs meeting in a global workspace.
   bool cluster_pieces = false;
+  // Rows of A's TMA box, which each stage loads (GemmConfig::a_box_rows): the tile's,
+  // or in the small-M kind only those up to M.
+  int a_box_rows = 0;
 
   // Split K: the CTA (and, in a workspace, partial-sum slot) of a tile's piece. In
   // clusters, a tile's pieces are neighbours (cluster rank = piece); otherwise the pieces
