@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The small-M (decode) kind on the GPU: build, its numerics tests, the cluster capacity
 # probe, then the benchmark on decode shapes once per setting in $SETTINGS (each
-# "default" or an environment assignment such as JAX_HOPPER_SPLIT_K_CLUSTER=0 or
-# JAX_HOPPER_SPLIT_K_WAVES=2: cuda/gemm/launch.cuh), against jnp.dot in the same
+# "default" or an environment assignment such as JAX_HOPPER_SPLIT_K_CLUSTER=0,
+# JAX_HOPPER_SPLIT_K_WAVES=2 or JAX_HOPPER_SMALL_M_WHOLE_A=1: cuda/gemm/launch.cuh), against jnp.dot in the same
 # process each time. Logs under $OUT (or ./device-out).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)

@@ -164,9 +164,11 @@ struct GemmConfig {
   // A's rows up to M, rounded up to a swizzle atom (8 rows), not the tile's 64. TMA's
   // zero fill of a box's rows past M is no saving: Nsight counted those rows as L2
   // reads like the others (16x4096x4096: 52 MB from L2 to the SMs, of which 33.7 MB
-  // are B, where XLA's kernel reads 38). The rows past the box keep whatever the ring
-  // held; wgmma multiplies them into accumulator rows past M, which are never summed
-  // with others or stored (each output row depends only on its own row of A).
+  // are B, where XLA's kernel reads 38; 40 MB trimmed). Measured (BENCHMARKS.md, session
+  // of 2026-12-04 00:06): 1x8192x8192 40.4 -> 36.6 us, 16x4096x4096 13.7 -> 11.3. The
+  // rows past the box keep whatever the ring held; wgmma multiplies them into
+  // accumulator rows past M, which are never summed with others or stored (each output
+  // row depends only on its own row of A).
   static constexpr bool kTrimmedA = kSmallM && LayoutA::kKMajor;
   __host__ __device__ static constexpr int a_box_rows(int64_t m) {
     return kTrimmedA && m < kBlockM ? static_cast<int>((m + kSwizzleAtomRows - 1) / kSwizzleAtomRows) *

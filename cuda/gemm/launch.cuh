@@ -88,9 +88,9 @@ Status encode_output(CUtensorMap* map, const GemmArgs& args, void* c, bool* usab
 // occupancy queries and function attributes are not free, and XLA calls us per step.
 constexpr int kMaxCachedDevices = 64;
 
-// A launch of `ctas` CTAs of this kernel in clusters of `cluster_size` along x (the
-// attribute is set even for 1, as the occupancy query of single-CTA clusters needs it);
-// `attr` must outlive the returned config.
+// A launch of `ctas` CTAs of this kernel in clusters of `cluster_size` along x, for the
+// cluster occupancy query and the launch alike (which drops the attribute for clusters
+// of one); `attr` must outlive the returned config.
 template <class Cfg>
 cudaLaunchConfig_t launch_config(int64_t ctas, int cluster_size, size_t smem, cudaStream_t stream,
                                  cudaLaunchAttribute* attr) {
