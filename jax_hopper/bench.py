@@ -9,12 +9,15 @@
     python -m jax_hopper.bench --shapes= --dense 8192x4096x16384 --activations relu,gelu_tanh,silu
     python -m jax_hopper.bench --shapes= --chain 256,1024,1279   # the host's cost per call
     python -m jax_hopper.bench --shapes= --lm-head 16384x4096x128256   # f32 logits and their gradients
+    python -m jax_hopper.bench --shapes 16x8192x8192 --kernels small_m --l2 cold   # weights streamed from DRAM
 
 Protocol (../shared/GUIDE.md section 5): the seed's data (standard normal scaled by
 K^-1/4, so C has unit variance); enough distinct input sets that they do not fit in L2,
 used in rotation; warm-up; variants interleaved sample by sample; medians. Two figures:
 kernel time (device time of the kernels one call launches, read through CUPTI by
-jax.experimental.mosaic.gpu.profiler.measure; CUDA events for torch) and sustained
+jax.experimental.mosaic.gpu.profiler.measure; CUDA events for torch; measure's own
+untimed call on the same inputs leaves them in L2 as far as they fit, unless --l2 cold
+evicts them before each timed call) and sustained
 throughput (back-to-back async dispatches, where the chip meets its power limit; each
 loop after an untimed pre-heat of the same variant, after one untimed round that lets
 the chip settle under the load; rounds in mirrored pairs, the order rotating from pair to
@@ -68,6 +71,18 @@ SUSTAINED_ROUNDS = 4
 # dispatcher's XLA path read ~1% faster than jnp.dot, the same dot (the sweep at ef85790).
 SUSTAINED_SETTLE_ROUNDS = 1
 BREAKDOWN = False  # --breakdown: also each variant's kernels, one by one (mlp and dense steps)
+# Kernel time with the operands cold in L2 (--l2 cold). profiler.measure makes an untimed
+# call on the same operands right before the timed one, so whatever of them fits in L2 is
+# warm for the timed call however the input sets rotate: all of 16x4096x4096's 33.5 MB of
+# B, the last-touched part of larger ones (the sustained loops rotate sets back to back and
+# are not affected). A model's decode step streams its weights from DRAM. Cold, each timed
+# call is dispatched right after one that rewrites an L2_SCRUB_BYTES buffer (one XOR
+# kernel: AfterL2Scrub), and that kernel is left out of the time.
+# torch's column (CUDA events around back-to-back calls) stays warm.
+COLD_L2 = False
+L2_SCRUB_BYTES = 2 * L2_BYTES
+L2_SCRUB_OP = "xor"  # how the scrub's kernel is told apart: its op, in XLA's kernel name
+_l2_scrub_buffer = None
 DTYPES = {"f16": jnp.float16, "bf16": jnp.bfloat16}
 # The shapes users run (issue 4's sweep): squares, LLM training shapes, decode shapes
 # (small M against 8192x8192 weights), odd sizes (8191: rows TMA cannot describe).
@@ -123,30 +138,83 @@ def input_set_count(a_shape, b_shape, itemsize) -> int:
     return max(2, min(MAX_INPUT_SETS, math.ceil(3 * L2_BYTES / set_bytes)))
 
 
+class AfterL2Scrub:
+    """jitted fn, each call dispatched after a separate call that rewrites the scrub
+    buffer (one XOR kernel), so on the device's stream the product starts with L2 holding
+    only that buffer. profiler.measure takes it for an already-jitted function
+    (jax.stages.Wrapped is a runtime-checkable protocol) and calls it as it is, so both
+    dispatches fall in its timed window, in stream order; one jitted program instead
+    would leave XLA free to run the two independent ops in either order, or together."""
+
+    def __init__(self, fn):
+        self.fn = jax.jit(fn)
+        self._scrub = jax.jit(lambda buf: jnp.bitwise_xor(buf, jnp.uint32(1)))
+        if not isinstance(self, jax.stages.Wrapped):  # measure would jit both into one program
+            raise RuntimeError("--l2 cold: profiler.measure would not take the scrub and the product as two calls")
+
+    def __call__(self, *args):
+        self._scrub(l2_scrub_buffer())
+        return self.fn(*args)
+
+    def trace(self, *args, **kwargs):
+        return self.fn.trace(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self.fn.lower(*args, **kwargs)
+
+
+def l2_scrub_buffer():
+    global _l2_scrub_buffer
+    if _l2_scrub_buffer is None:
+        _l2_scrub_buffer = jnp.zeros(L2_SCRUB_BYTES // 4, jnp.uint32)
+    return _l2_scrub_buffer
+
+
+def without_l2_scrub(timings):
+    """The [(kernel, ms)] of a scrubbed call less the scrub's, which come first."""
+    scrub = 0
+    while scrub < len(timings) and L2_SCRUB_OP in timings[scrub][0].lower():
+        scrub += 1
+    if scrub == 0:
+        raise RuntimeError(f"--l2 cold: the first kernel is not the L2 scrub ({L2_SCRUB_OP}): "
+                           f"{[name for name, _ in timings]}")
+    return timings[scrub:]
+
+
 class JaxVariant:
     def __init__(self, name, fn):
         self.name = name
         self.fn = jax.jit(fn)
+        self.cold_l2 = COLD_L2
         try:
             from jax.experimental.mosaic.gpu import profiler
 
-            self._measure = profiler.measure(self.fn)
+            if self.cold_l2:
+                self._measure = profiler.measure(AfterL2Scrub(fn), aggregate=False)
+            else:
+                self._measure = profiler.measure(self.fn)
             self.clock = "cupti"
         except Exception:  # no CUPTI: fall back to wall clock around one blocked call
             self._measure = None
             self.clock = "wall"
 
-    def kernel_ms(self, a, b) -> float:
+    def kernel_ms(self, *args) -> float:
         if self._measure is not None:
             try:
-                _, ms = self._measure(a, b)
-            except RuntimeError:  # CUPTI unavailable here (e.g. the CPU fallback)
+                if self.cold_l2:
+                    _, timings = self._measure(*args)
+                    ms = sum(t for _, t in without_l2_scrub(timings)) if timings else None
+                else:
+                    _, ms = self._measure(*args)
+            except RuntimeError as e:  # CUPTI unavailable here (e.g. the CPU fallback)
+                if "--l2 cold" in str(e):
+                    raise
                 self._measure, self.clock = None, "wall"
             else:
                 if ms is not None:
                     return float(ms)
         t0 = time.perf_counter()
-        jax.block_until_ready(self.fn(a, b))
+        jax.block_until_ready(self.fn(*args))
         return (time.perf_counter() - t0) * 1e3
 
     def dispatch(self, a, b):
@@ -772,7 +840,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    global KERNEL_SAMPLES, SUSTAINED_ROUNDS, BREAKDOWN  # the protocol, set from the command line
+    global KERNEL_SAMPLES, SUSTAINED_ROUNDS, BREAKDOWN, COLD_L2  # the protocol, set from the command line
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="8192,4096", help="comma-separated N (cube) or MxNxK")
     p.add_argument("--dtype", default="f16", help="comma-separated: f16, bf16")
@@ -788,6 +856,9 @@ def main(argv=None):
                    "they pair up in mirrored orders), after "
                    f"{SUSTAINED_SETTLE_ROUNDS} untimed settling round(s)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.matmul column")
+    p.add_argument("--l2", choices=("warm", "cold"), default="warm", help="kernel time with the operands as an "
+                   "untimed call on them leaves L2 (warm, profiler.measure's warm-up) or evicted from it by a "
+                   "scrub kernel before each timed call (cold; torch's column stays warm)")
     p.add_argument("--sweep", action="store_true", help="the shapes users run (replaces --shapes; adds NT and TN "
                    "at 8192^3)")
     p.add_argument("--tp-mlp", default="", help="comma-separated TOKENSxDMODELxDFF tensor-parallel MLP blocks "
@@ -827,6 +898,7 @@ def main(argv=None):
     stages = [int(s) for s in args.stages.split(",") if s]
     KERNEL_SAMPLES, SUSTAINED_ROUNDS = max(args.samples, 1), max(args.rounds, 1)
     BREAKDOWN = args.breakdown
+    COLD_L2 = args.l2 == "cold"
     kernels = [x for x in args.kernels.split(",") if x]
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:
@@ -854,7 +926,8 @@ def main(argv=None):
                     "protocol": {"kernel_samples": KERNEL_SAMPLES, "sustained_rounds": SUSTAINED_ROUNDS,
                                  "sustained_preheat": SUSTAINED_PREHEAT, "sustained_order": "mirrored pairs, rotated",
                                  "sustained_statistic": "mean",
-                                 "sustained_settle_rounds": SUSTAINED_SETTLE_ROUNDS}}
+                                 "sustained_settle_rounds": SUSTAINED_SETTLE_ROUNDS,
+                                 "kernel_time_l2": "cold" if COLD_L2 else "warm"}}
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

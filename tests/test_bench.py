@@ -114,3 +114,34 @@ def test_sustained_rounds_mirror_and_rotate_the_order(monkeypatch):
     # A clock that drifts linearly (here: time = place in the sequence) moves every
     # variant's mean alike, so identical variants read identical means.
     assert len(set(bench.sustained_mean(times).values())) == 1
+
+def test_cold_l2_scrub_runs_first_and_is_left_out_of_the_time():
+    # profiler.measure times a call right after an untimed one on the same inputs, so
+    # --l2 cold dispatches a kernel rewriting a buffer twice the size of L2 before each
+    # product: as a call of its own (the stream orders it first; measure must take the
+    # wrapper for a jitted function, or it would jit both into one program), giving fn's
+    # own result; the scrub's kernel (leading, named after its XOR) must not count.
+    import jax.numpy as jnp
+
+    a = jnp.arange(12.0).reshape(3, 4)
+    b = jnp.ones((4, 2))
+    scrubbed = bench.AfterL2Scrub(jnp.dot)
+    assert isinstance(scrubbed, jax.stages.Wrapped)
+    assert (scrubbed(a, b) == jnp.dot(a, b)).all()
+    assert "dot_general" in scrubbed.lower(a, b).as_text()
+
+    timings = [("loop_xor_fusion", 0.08), ("gemm_fusion_dot", 0.01), ("loop_reduce_fusion", 0.002)]
+    assert bench.without_l2_scrub(timings) == timings[1:]
+    with pytest.raises(RuntimeError, match="not the L2 scrub"):
+        bench.without_l2_scrub(timings[1:])
+
+
+def test_cold_l2_is_recorded_in_the_json(tmp_path, monkeypatch):
+    # main() sets the protocol's globals from its flags: restored afterwards.
+    monkeypatch.setattr(bench, "COLD_L2", False)
+    out = tmp_path / "bench.json"
+    bench.main(["--shapes", "32x48x40", "--no-torch", "--stages", "", "--samples", "1", "--rounds", "2",
+                "--l2", "cold", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["meta"]["protocol"]["kernel_time_l2"] == "cold"
+    assert all(r["kernel_ms"] > 0 for r in data["rows"])
