@@ -3,7 +3,8 @@
 # probe, then the benchmark on decode shapes once per setting in $SETTINGS (each
 # "default" or an environment assignment such as JAX_HOPPER_SPLIT_K_CLUSTER=0,
 # JAX_HOPPER_SPLIT_K_WAVES=2 or JAX_HOPPER_SMALL_M_WHOLE_A=1: cuda/gemm/launch.cuh), against jnp.dot in the same
-# process each time. Logs under $OUT (or ./device-out).
+# process each time; L2=cold times the kernels with the operands evicted from L2 (bench
+# --l2). Logs under $OUT (or ./device-out).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${OUT:-$REPO/device-out}
@@ -22,7 +23,8 @@ for setting in ${SETTINGS:-default}; do
   envs=()
   [ "$setting" = default ] || envs=("$setting")
   env "${envs[@]}" timeout 300 python3 -m jax_hopper.bench --shapes "$SHAPES" --dtype "${DTYPES:-f16}" \
-    --kernels small_m --stages "" --samples "${SAMPLES:-9}" --rounds 1 --no-torch --json "$LOG/decode_$tag.json" \
+    --kernels small_m --stages "" --samples "${SAMPLES:-9}" --rounds 1 --no-torch --l2 "${L2:-warm}" \
+    --json "$LOG/decode_$tag.json" \
     2>"$LOG/decode_$tag.err" | grep -E "small_m|jnp.dot|case" | tee "$LOG/decode_$tag.log"
 done
 # device_check.sh packed its logs at its exit; pack again with the benchmark's.
