@@ -403,6 +403,36 @@ def test_small_m_kind_is_correct_and_deterministic(hopper, shape, dtype):
     assert relative_error(f32_out, ref) <= max(ERROR_FACTOR * err_jnp, 1e-5)
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.float16, jnp.float32], ids=["f16", "f32"])
+@pytest.mark.parametrize("shape", [(5, 1000, 4160), (13, 8192, 8192)], ids=lambda s: "x".join(map(str, s)))
+def test_small_m_rows_past_the_a_box_stay_out_of_the_result(hopper, shape, out_dtype):
+    """The small-M kind loads only A's rows up to M, rounded up to 8 (config.cuh:
+    a_box_rows), into its 64-row stages; the stages' other rows keep whatever an earlier
+    kernel left in shared memory, and wgmma multiplies them into accumulator rows past M,
+    which must never be stored or summed into other rows. The ring is first filled with
+    NaN (the same kind on a 64-row A of NaN, on every SM), then M = 5 (an 8-row box, pieces
+    summed through global memory) and M = 13 (16 rows, pieces in clusters) run: no NaN may
+    reach the result, which must match the f32 reference. (Shared memory is not cleared
+    between kernels, so the stale rows are NaN here; were they not, the test would still
+    pass with a correct kernel and could only miss a bug.)"""
+    from jax_hopper._primitive import gemm
+
+    m, n, k = shape
+    a, b = _inputs(m, n, k, jnp.float16, seed=13)
+    ref = f32_reference(a, b)
+    err_jnp = relative_error(jnp.dot(a, b, preferred_element_type=out_dtype), ref)
+    # 33 tiles of 64x128 in 8 pieces: 264 CTAs, every CTA slot of an H200 (2 per SM).
+    nan_a, ones = jnp.full((64, 4096), jnp.nan, jnp.float16), jnp.ones((4096, 33 * 128), jnp.float16)
+    fill = jax.jit(lambda x, y: gemm(x, y, kernel="small_m"))
+    f = jax.jit(lambda x, y: gemm(x, y, kernel="small_m", out_dtype=out_dtype))
+    jax.block_until_ready((f(a, b), fill(nan_a, ones)))  # compiled before the ring is filled
+    filled = fill(nan_a, ones)
+    out, _ = run_into_poison(f, (m, n), out_dtype, a, b)
+    assert bool(jnp.isnan(filled).all()), "the NaN fill did not run"
+    assert not bool(jnp.isnan(out).any())
+    assert relative_error(out, ref) <= max(ERROR_FACTOR * err_jnp, 1e-5)
+
+
 def test_small_m_kind_really_splits_k(hopper):
     """At 16 x 8192 x 8192 (64 tiles of 64x128, four pieces each) every tile's K range is
     cut into pieces: the f32 sums come out in a different order from the default

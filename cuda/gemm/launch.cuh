@@ -89,8 +89,8 @@ Status encode_output(CUtensorMap* map, const GemmArgs& args, void* c, bool* usab
 constexpr int kMaxCachedDevices = 64;
 
 // A launch of `ctas` CTAs of this kernel in clusters of `cluster_size` along x, for the
-// cluster occupancy query and the launch alike (which drops the attribute for clusters
-// of one); `attr` must outlive the returned config.
+// cluster occupancy query and the launch alike (the launch sets numAttrs to 0 for
+// clusters of one); `attr` must outlive the returned config.
 template <class Cfg>
 cudaLaunchConfig_t launch_config(int64_t ctas, int cluster_size, size_t smem, cudaStream_t stream,
                                  cudaLaunchAttribute* attr) {
@@ -261,12 +261,14 @@ inline bool split_k_clusters_allowed() {
 template <class Cfg>
 int active_clusters(const void* kernel, size_t smem, int size) {
   static std::atomic<int> cache[kMaxCachedDevices][kMaxClusterPieces + 1];
-  // A failed query is no error of the launch: its error is cleared below. An error left
-  // pending by earlier work is not ours to clear, so with one nothing is queried.
-  if (cudaPeekAtLastError() != cudaSuccess) return 0;
+  // A failed query is no error of the launch, so its error is cleared; but an error left
+  // pending by earlier work (cudaPeekAtLastError) is not ours to clear, so then nothing
+  // is. Either way the query runs: skipping it would change the split, and the bits,
+  // for as long as someone else's error stayed pending.
+  const bool pending = cudaPeekAtLastError() != cudaSuccess;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();
+    if (!pending) (void)cudaGetLastError();
     return 0;
   }
   const bool cacheable = device < kMaxCachedDevices;
@@ -275,7 +277,7 @@ int active_clusters(const void* kernel, size_t smem, int size) {
   }
   int clusters = 0;
   if (!query_active_clusters<Cfg>(kernel, smem, size, &clusters).ok()) {
-    (void)cudaGetLastError();
+    if (!pending) (void)cudaGetLastError();
     clusters = 0;
   }
   if (cacheable) cache[device][size].store(clusters + 1, std::memory_order_release);
