@@ -175,7 +175,8 @@ struct GemmConfig {
                                           kSwizzleAtomRows
                                     : LayoutA::kBoxOuter;
   }
-  static_assert(!kTrimmedA || LayoutA::kBytes == LayoutA::kBoxOuter * kSwizzleBytes, "K-major A: a row per swizzle row");
+  static_assert(!kTrimmedA || LayoutA::kBytes == LayoutA::kBoxOuter * kSwizzleBytes,
+                "K-major A: one swizzle row per row");
   // A stage's TMA transaction bytes when A's box has `a_rows` rows.
   __host__ __device__ static constexpr uint32_t stage_bytes(int a_rows) {
     return kTrimmedA ? static_cast<uint32_t>(a_rows) * kSwizzleBytes + LayoutB::kBytes : kStageBytes;

@@ -421,7 +421,7 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
 
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t config = launch_config<Cfg>(ctas, cluster_size, kSmem, stream, &attr);
-  config.numAttrs = cluster_size > 1 ? 1 : 0;  // as before clusters: no attribute without one
+  config.numAttrs = cluster_size > 1 ? 1 : 0;  // no cluster attribute for clusters of one
   return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, tmap_c, out, work, scheduler, stream_k,
                                         tmap_d, tile_counter),
                      "gemm kernel launch");
