@@ -3,8 +3,8 @@
 # probe, then the benchmark on decode shapes once per setting in $SETTINGS (each
 # "default" or an environment assignment such as JAX_HOPPER_SPLIT_K_CLUSTER=0,
 # JAX_HOPPER_SPLIT_K_WAVES=2 or JAX_HOPPER_SMALL_M_WHOLE_A=1: cuda/gemm/launch.cuh), against jnp.dot in the same
-# process each time; L2=cold times the kernels with the operands evicted from L2 (bench
-# --l2). Logs under $OUT (or ./device-out).
+# process each time; L2 is "warm", "cold" (the operands evicted from L2 before each timed
+# call: bench --l2) or both ("warm cold"). Logs under $OUT (or ./device-out).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${OUT:-$REPO/device-out}
@@ -17,15 +17,17 @@ rc=$?
 cd /tmp || exit 1
 nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I"$REPO/cuda" --expt-relaxed-constexpr \
   "$REPO/scripts/probe_clusters.cu" -o /tmp/probe_clusters && /tmp/probe_clusters | tee "$LOG/clusters.txt"
-for setting in ${SETTINGS:-default}; do
-  echo "== $setting"
-  tag=${setting//[^A-Za-z0-9]/_}
-  envs=()
-  [ "$setting" = default ] || envs=("$setting")
-  env "${envs[@]}" timeout 300 python3 -m jax_hopper.bench --shapes "$SHAPES" --dtype "${DTYPES:-f16}" \
-    --kernels small_m --stages "" --samples "${SAMPLES:-9}" --rounds 1 --no-torch --l2 "${L2:-warm}" \
-    --json "$LOG/decode_$tag.json" \
-    2>"$LOG/decode_$tag.err" | grep -E "small_m|jnp.dot|case" | tee "$LOG/decode_$tag.log"
+for l2 in ${L2:-warm}; do
+  for setting in ${SETTINGS:-default}; do
+    echo "== $setting, L2 $l2"
+    tag=${setting//[^A-Za-z0-9]/_}_$l2
+    envs=()
+    [ "$setting" = default ] || envs=("$setting")
+    env "${envs[@]}" timeout 300 python3 -m jax_hopper.bench --shapes "$SHAPES" --dtype "${DTYPES:-f16}" \
+      --kernels small_m --stages "" --samples "${SAMPLES:-9}" --rounds 1 --no-torch --l2 "$l2" \
+      --json "$LOG/decode_$tag.json" \
+      2>"$LOG/decode_$tag.err" | grep -E "small_m|jnp.dot|case" | tee "$LOG/decode_$tag.log"
+  done
 done
 # device_check.sh packed its logs at its exit; pack again with the benchmark's.
 (cd "$LOG" && tar czf 00-logs.tar.gz --exclude 00-logs.tar.gz -- *) 2>/dev/null
