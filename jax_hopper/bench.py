@@ -76,13 +76,16 @@ BREAKDOWN = False  # --breakdown: also each variant's kernels, one by one (mlp a
 # warm for the timed call however the input sets rotate: all of 16x4096x4096's 33.5 MB of
 # B, the last-touched part of larger ones (the sustained loops rotate sets back to back and
 # are not affected). A model's decode step streams its weights from DRAM. Cold, each timed
-# call is dispatched right after one that rewrites an L2_SCRUB_BYTES buffer (one XOR
-# kernel: AfterL2Scrub), and that kernel is left out of the time.
+# call is dispatched right after one that reads an L2_SCRUB_BYTES buffer (an XOR reduction
+# to one word: AfterL2Scrub), and its kernels are left out of the time. Reads only: a
+# rewrite (the first form) left L2 full of dirty lines, written back to DRAM under the
+# timed kernel (16x8192x8192: 42.3 us against 36 us end to end in scripts/probe_timeline.cu,
+# whose scrub reads; ncu's flush: 39.2).
 # torch's column (CUDA events around back-to-back calls) stays warm.
 COLD_L2 = False
 L2_SCRUB_BYTES = 2 * L2_BYTES
-L2_SCRUB_OP = "xor"  # how the scrub's kernel is told apart: its op, in XLA's kernel name
 _l2_scrub_buffer = None
+_l2_scrub_kernels = None
 DTYPES = {"f16": jnp.float16, "bf16": jnp.bfloat16}
 # The shapes users run (issue 4's sweep): squares, LLM training shapes, decode shapes
 # (small M against 8192x8192 weights), odd sizes (8191: rows TMA cannot describe).
@@ -139,9 +142,8 @@ def input_set_count(a_shape, b_shape, itemsize) -> int:
 
 
 class AfterL2Scrub:
-    """jitted fn, each call dispatched after a separate call that rewrites the scrub
-    buffer (one XOR kernel), so on the device's stream the product starts with L2 holding
-    only that buffer. profiler.measure takes it for an already-jitted function
+    """jitted fn, each call dispatched after a separate call that reads the scrub buffer,
+    so on the device's stream the product starts with L2 holding only clean lines of it. profiler.measure takes it for an already-jitted function
     (jax.stages.Wrapped is a runtime-checkable protocol) and calls it as it is, so both
     dispatches fall in its timed window, in stream order; one jitted program instead
     would leave XLA free to run the two independent ops in either order, or together."""
@@ -152,7 +154,7 @@ class AfterL2Scrub:
             raise RuntimeError("--l2 cold: profiler.measure would not take the scrub and the product as two calls")
 
     def __call__(self, *args):
-        _rewrite_l2_scrub(l2_scrub_buffer())
+        _read_l2_scrub(l2_scrub_buffer())
         return self.fn(*args)
 
     def trace(self, *args, **kwargs):
@@ -162,7 +164,8 @@ class AfterL2Scrub:
         return self.fn.lower(*args, **kwargs)
 
 
-_rewrite_l2_scrub = jax.jit(lambda buf: jnp.bitwise_xor(buf, jnp.uint32(1)))  # one program for every variant
+# One program for every variant; a reduction, so nothing but one word is written.
+_read_l2_scrub = jax.jit(lambda buf: jax.lax.reduce(buf, jnp.uint32(0), jax.lax.bitwise_xor, (0,)))
 
 
 def l2_scrub_buffer():
@@ -172,15 +175,25 @@ def l2_scrub_buffer():
     return _l2_scrub_buffer
 
 
-def without_l2_scrub(timings):
-    """The [(kernel, ms)] of a scrubbed call less the scrub's, which come first."""
-    scrub = 0
-    while scrub < len(timings) and L2_SCRUB_OP in timings[scrub][0].lower():
-        scrub += 1
-    if scrub == 0:
-        raise RuntimeError(f"--l2 cold: the first kernel is not the L2 scrub ({L2_SCRUB_OP}): "
+def l2_scrub_kernels(measure) -> tuple[str, ...]:
+    """The names of the scrub program's kernels, in launch order, as `measure` (jax's
+    profiler.measure) lists them; learned once."""
+    global _l2_scrub_kernels
+    if _l2_scrub_kernels is None:
+        _, timings = measure(_read_l2_scrub, aggregate=False)(l2_scrub_buffer())
+        if not timings:
+            raise RuntimeError("--l2 cold: the scrub launched no kernel")
+        _l2_scrub_kernels = tuple(name for name, _ in timings)
+    return _l2_scrub_kernels
+
+
+def without_l2_scrub(timings, scrub_kernels):
+    """The [(kernel, ms)] of a scrubbed call less the scrub's kernels, which come first."""
+    n = len(scrub_kernels)
+    if n == 0 or tuple(name for name, _ in timings[:n]) != tuple(scrub_kernels):
+        raise RuntimeError(f"--l2 cold: the first kernels are not the L2 scrub's {list(scrub_kernels)}: "
                            f"{[name for name, _ in timings]}")
-    return timings[scrub:]
+    return timings[n:]
 
 
 class JaxVariant:
@@ -191,6 +204,7 @@ class JaxVariant:
         try:
             from jax.experimental.mosaic.gpu import profiler
 
+            self._profiler = profiler
             if self.cold_l2:
                 self._measure = profiler.measure(AfterL2Scrub(self.fn), aggregate=False)
             else:
@@ -205,7 +219,8 @@ class JaxVariant:
             try:
                 if self.cold_l2:
                     _, timings = self._measure(*args)
-                    ms = sum(t for _, t in without_l2_scrub(timings)) if timings else None
+                    scrub = l2_scrub_kernels(self._profiler.measure)
+                    ms = sum(t for _, t in without_l2_scrub(timings, scrub)) if timings else None
                 else:
                     _, ms = self._measure(*args)
             except RuntimeError as e:  # CUPTI unavailable here (e.g. the CPU fallback)

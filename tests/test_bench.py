@@ -117,10 +117,10 @@ def test_sustained_rounds_mirror_and_rotate_the_order(monkeypatch):
 
 def test_cold_l2_scrub_runs_first_and_is_left_out_of_the_time():
     # profiler.measure times a call right after an untimed one on the same inputs, so
-    # --l2 cold dispatches a kernel rewriting a buffer twice the size of L2 before each
-    # product: as a call of its own (the stream orders it first; measure must take the
-    # wrapper for a jitted function, or it would jit both into one program), giving fn's
-    # own result; the scrub's kernel (leading, named after its XOR) must not count.
+    # --l2 cold dispatches a read of a buffer twice the size of L2 before each product:
+    # as a call of its own (the stream orders it first; measure must take the wrapper for
+    # a jitted function, or it would jit both into one program), giving fn's own result;
+    # the scrub's kernels (leading, named as measure listed the scrub alone) must not count.
     import jax.numpy as jnp
 
     a = jnp.arange(12.0).reshape(3, 4)
@@ -130,10 +130,24 @@ def test_cold_l2_scrub_runs_first_and_is_left_out_of_the_time():
     assert (scrubbed(a, b) == jnp.dot(a, b)).all()
     assert "dot_general" in scrubbed.lower(a, b).as_text()
 
-    timings = [("loop_xor_fusion", 0.08), ("gemm_fusion_dot", 0.01), ("loop_reduce_fusion", 0.002)]
-    assert bench.without_l2_scrub(timings) == timings[1:]
+    scrub = ("input_reduce_fusion", "loop_reduce_fusion")
+    timings = [(scrub[0], 0.03), (scrub[1], 0.001), ("gemm_fusion_dot", 0.01), ("loop_reduce_fusion", 0.002)]
+    assert bench.without_l2_scrub(timings, scrub) == timings[2:]
     with pytest.raises(RuntimeError, match="not the L2 scrub"):
-        bench.without_l2_scrub(timings[1:])
+        bench.without_l2_scrub(timings[1:], scrub)
+    with pytest.raises(RuntimeError, match="not the L2 scrub"):
+        bench.without_l2_scrub(timings, ())
+
+
+def test_cold_l2_scrub_only_reads():
+    # A scrub that wrote its buffer would leave L2 full of dirty lines, written back to
+    # DRAM under the timed kernel: the program must write nothing but its one word.
+    buf = bench.l2_scrub_buffer()
+    assert buf.nbytes >= 2 * bench.L2_BYTES
+    out = bench._read_l2_scrub(buf)
+    assert out.shape == () and out.dtype == buf.dtype and int(out) == 0
+    hlo = bench._read_l2_scrub.lower(buf).as_text()
+    assert "reduce" in hlo and "xor" in hlo
 
 
 def test_cold_l2_is_recorded_in_the_json(tmp_path, monkeypatch):

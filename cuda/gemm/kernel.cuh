@@ -19,6 +19,7 @@
 #include "gemm/pipeline.cuh"
 #include "gemm/stream_k_fixup.cuh"
 #include "gemm/tile_scheduler.cuh"
+#include "gemm/timeline.cuh"
 #include "hopper/cluster.cuh"
 #include "hopper/tma.cuh"
 #include "hopper/warpgroup.cuh"
@@ -51,6 +52,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
                 uint32_t* tile_counter) {  // the dynamic order's tickets, zeroed per call
                                            // (the last two: the other parameters keep their offsets)
   using Main = Mainloop<Cfg>;
+  JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineEntry);
   extern __shared__ uint8_t smem_raw[];
   const uintptr_t base = reinterpret_cast<uintptr_t>(smem_raw);
   auto& smem = *reinterpret_cast<SharedStorage<Cfg>*>((base + kSmemAlignment - 1) &
@@ -87,6 +89,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
       hopper::tma_prefetch_descriptor(&tmap_a);
       hopper::tma_prefetch_descriptor(&tmap_b);
       auto st = producer_start_state<Cfg::kStages>();
+      JH_TIMELINE_MARK(true, kTimelineProducer);
       if constexpr (Cfg::kDynamicTiles) {
         auto& slots = smem.dynamic.tickets;
         TileTickets<Cfg::kStages, Cfg::kClusterM> tickets(slots, tile_counter, work.num_tiles, work.clusters, cluster,
@@ -194,6 +197,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
           Epilogue::store_pending_during(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, kt);
       };
       Main::mma(pipe, smem, a_slice, k_tiles, acc, read, hand_over, load_operand, store_pending);
+      JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineMainloopDone);
       // What the previous tile left to store goes before any path below leaves the unit.
       if constexpr (Cfg::kDeferredStore)
         Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, k_tiles);
@@ -250,6 +254,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     }
     if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, 0);
     if constexpr (Cfg::kTmaStoreEpilogue) Epilogue::finish();
+    JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineConsumerDone);
   }
   // No CTA may exit while a peer can still multicast into or arrive on its shared memory.
   // (Split K's clusters: SplitKReduce's second barrier.)

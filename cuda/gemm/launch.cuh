@@ -244,6 +244,16 @@ inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
 constexpr int kMaxClusterPieces = 8;
 constexpr int kMinClusterPieceKTiles = 32;
 
+// Measurement override (scripts/probe_timeline.cu, decode_split_k.sh):
+// JAX_HOPPER_SPLIT_K_MIN_CLUSTER_K_TILES=T replaces kMinClusterPieceKTiles; read once.
+inline int min_cluster_piece_k_tiles() {
+  static const int tiles = [] {
+    const char* env = std::getenv("JAX_HOPPER_SPLIT_K_MIN_CLUSTER_K_TILES");
+    return env != nullptr ? std::atoi(env) : kMinClusterPieceKTiles;
+  }();
+  return tiles;
+}
+
 // Measurement override (scripts/decode_split_k.sh): JAX_HOPPER_SPLIT_K_CLUSTER=0 sums
 // every split through the global workspace; read once per process.
 inline bool split_k_clusters_allowed() {
@@ -291,7 +301,7 @@ void choose_split_k_clusters(const void* kernel, size_t smem, int resident, Work
     return;
   for (int pieces = work->pieces; pieces >= 2; --pieces) {
     if (work->num_tiles > active_clusters<Cfg>(kernel, smem, pieces)) continue;
-    if (pieces == work->pieces || work->k_tiles / pieces >= kMinClusterPieceKTiles) {
+    if (pieces == work->pieces || work->k_tiles / pieces >= min_cluster_piece_k_tiles()) {
       work->pieces = pieces;
       work->cluster_pieces = true;
     }

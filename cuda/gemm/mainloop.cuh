@@ -6,6 +6,7 @@
 #include "gemm/config.cuh"
 #include "gemm/pipeline.cuh"
 #include "gemm/tile_scheduler.cuh"
+#include "gemm/timeline.cuh"
 #include "hopper/tma.cuh"
 #include "hopper/warpgroup.cuh"
 #include "hopper/wgmma.cuh"
@@ -160,6 +161,7 @@ struct Mainloop {
     State release = read;  // the stage whose MMA retires next
     for (int kt = 0; kt < k_tiles; ++kt) {
       pipe.consumer_wait(read);
+      JH_TIMELINE_MARK(kt == 0 && threadIdx.x == 0, kTimelineFirstData);
       hopper::wgmma_fence();
       mma_k_tile(smem.stages[read.index], a_slice, acc, /*accumulate=*/kt > 0);
       hopper::wgmma_commit_group();

@@ -1,0 +1,183 @@
+// Where a small-M (decode) launch spends its time, CTA by CTA: builds the kind with
+// JAX_HOPPER_TIMELINE (cuda/gemm/timeline.cuh), runs each shape given as MxNxK with L2
+// scrubbed before every launch (a read-only pass over 2x L2, so no dirty lines are left
+// to write back under the kernel), and prints per-event spreads relative to the first
+// CTA's start, plus the launch's CUDA-event time. Not part of the library.
+//   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda --expt-relaxed-constexpr \
+//     scripts/probe_timeline.cu cuda/hopper/tensor_map.cc -o /tmp/probe_timeline
+//   /tmp/probe_timeline 16x4096x4096 16x8192x8192
+#define JAX_HOPPER_TIMELINE
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "gemm/launch.cuh"
+
+using namespace jax_hopper;
+
+#define CHECK(x)                                                                             \
+  do {                                                                                       \
+    cudaError_t e_ = (x);                                                                    \
+    if (e_ != cudaSuccess) {                                                                 \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+constexpr size_t kScrubBytes = size_t{120} << 20;  // 2x the H200's 60 MB L2
+constexpr int kReps = 7;                            // launches per shape; the median one is printed
+constexpr int kThreadsPerBlock = 256;
+
+__global__ void fill(__half* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    p[i] = __float2half((static_cast<float>(h & 0xffff) / 65536.0f - 0.5f) * 0.1f);
+  }
+}
+
+// Reads every line of `p` (evicting L2's clean copies of everything else); writes only
+// if the impossible happens, so the compiler keeps the loads.
+__global__ void scrub(const uint4* p, size_t n, uint32_t* sink) {
+  uint32_t x = 0;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    const uint4 v = __ldcg(p + i);
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x == 0x9e3779b9u) *sink = x;
+}
+
+struct Run {
+  float event_ms;
+  std::vector<TimelineRecord> records;
+};
+
+static double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+int main(int argc, char** argv) {
+  constexpr int64_t kMaxCtas = 4096;
+  TimelineRecord* d_records;
+  CHECK(cudaMalloc(&d_records, kMaxCtas * sizeof(TimelineRecord)));
+  CHECK(cudaMemcpyToSymbol(g_timeline, &d_records, sizeof(d_records)));
+  uint4* scrub_buf;
+  uint32_t* sink;
+  CHECK(cudaMalloc(&scrub_buf, kScrubBytes));
+  CHECK(cudaMemset(scrub_buf, 1, kScrubBytes));
+  CHECK(cudaMalloc(&sink, sizeof(uint32_t)));
+  void* workspace;
+  constexpr size_t kWorkspaceBytes = size_t{64} << 20;
+  CHECK(cudaMalloc(&workspace, kWorkspaceBytes));
+  cudaStream_t stream;
+  CHECK(cudaStreamCreate(&stream));
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  const bool warm = std::getenv("WARM") != nullptr;
+
+  for (int arg = 1; arg < argc; ++arg) {
+    int64_t m, n, k;
+    if (std::sscanf(argv[arg], "%ldx%ldx%ld", &m, &n, &k) != 3) {
+      std::fprintf(stderr, "shape %s: want MxNxK\n", argv[arg]);
+      return 1;
+    }
+    __half *a, *b, *c;
+    CHECK(cudaMalloc(&a, m * k * sizeof(__half)));
+    CHECK(cudaMalloc(&b, k * n * sizeof(__half)));
+    CHECK(cudaMalloc(&c, m * n * sizeof(__half)));
+    fill<<<1024, kThreadsPerBlock, 0, stream>>>(a, m * k, 1);
+    fill<<<1024, kThreadsPerBlock, 0, stream>>>(b, k * n, 2);
+    CHECK(cudaGetLastError());
+    GemmArgs args;
+    args.a = a;
+    args.b = b;
+    args.c = c;
+    args.m = m;
+    args.n = n;
+    args.k = k;
+    args.lda = k;
+    args.ldb = n;
+    args.ldc = n;
+    args.allocate_workspace = [workspace](size_t bytes) { return bytes <= kWorkspaceBytes ? workspace : nullptr; };
+    std::vector<Run> runs;
+    for (int rep = 0; rep < kReps; ++rep) {
+      CHECK(cudaMemsetAsync(d_records, 0, kMaxCtas * sizeof(TimelineRecord), stream));
+      if (!warm) scrub<<<264, 1024, 0, stream>>>(scrub_buf, kScrubBytes / sizeof(uint4), sink);
+      CHECK(cudaGetLastError());
+      CHECK(cudaEventRecord(start, stream));
+      const Status st = launch_gemm_instance<KernelKind::kSmallM, ElementType::kF16, Major::kK, Major::kMN, 4>(args, stream);
+      if (!st.ok()) {
+        std::fprintf(stderr, "launch: %s\n", st.message.c_str());
+        return 1;
+      }
+      CHECK(cudaEventRecord(stop, stream));
+      CHECK(cudaStreamSynchronize(stream));
+      Run r;
+      CHECK(cudaEventElapsedTime(&r.event_ms, start, stop));
+      r.records.resize(kMaxCtas);
+      CHECK(cudaMemcpy(r.records.data(), d_records, kMaxCtas * sizeof(TimelineRecord), cudaMemcpyDeviceToHost));
+      int ctas = 0;
+      while (ctas < kMaxCtas && r.records[ctas].global_ns[kTimelineEntry] != 0) ++ctas;
+      r.records.resize(ctas);
+      runs.push_back(std::move(r));
+    }
+    std::sort(runs.begin(), runs.end(), [](const Run& x, const Run& y) { return x.event_ms < y.event_ms; });
+    const Run& r = runs[runs.size() / 2];
+    uint64_t t0 = ~uint64_t{0};
+    for (const auto& rec : r.records) t0 = std::min(t0, rec.global_ns[kTimelineEntry]);
+    static const char* kNames[kTimelineEvents] = {"entry", "producer", "first data", "mainloop done", "consumer done"};
+    std::printf("%s (%s L2): %zu CTAs, CUDA events %.2f us (min %.2f)\n", argv[arg], warm ? "warm" : "cold",
+                r.records.size(), r.event_ms * 1e3, runs.front().event_ms * 1e3);
+    std::printf("  %-14s %8s %8s %8s %8s   (us after the first CTA's entry; CTAs that reach the event)\n", "event",
+                "min", "median", "p90", "max");
+    for (int e = 0; e < kTimelineEvents; ++e) {
+      std::vector<double> t;
+      for (const auto& rec : r.records)
+        if (rec.global_ns[e] != 0) t.push_back((rec.global_ns[e] - t0) * 1e-3);
+      std::sort(t.begin(), t.end());
+      if (t.empty()) continue;
+      std::printf("  %-14s %8.2f %8.2f %8.2f %8.2f   %zu\n", kNames[e], t.front(), t[t.size() / 2],
+                  t[t.size() * 9 / 10], t.back(), t.size());
+    }
+    // Within a CTA, by its own SM clock (cycles -> us at the clock the events imply).
+    std::vector<double> ramp, stream_t, tail;
+    for (const auto& rec : r.records) {
+      if (rec.clock[kTimelineFirstData] == 0 || rec.clock[kTimelineMainloopDone] == 0) continue;
+      ramp.push_back(rec.clock[kTimelineFirstData] - rec.clock[kTimelineEntry]);
+      stream_t.push_back(rec.clock[kTimelineMainloopDone] - rec.clock[kTimelineFirstData]);
+      tail.push_back(rec.clock[kTimelineConsumerDone] - rec.clock[kTimelineMainloopDone]);
+    }
+    std::printf("  per CTA, cycles (median): entry->first data %.0f, first data->mainloop done %.0f, "
+                "mainloop done->consumer done %.0f\n",
+                median(ramp), median(stream_t), median(tail));
+    constexpr int kMaxSms = 1024;
+    std::vector<int> per_sm(kMaxSms, 0);
+    for (const auto& rec : r.records) per_sm[rec.sm % kMaxSms]++;
+    int sms = 0, two = 0;
+    for (int c : per_sm) sms += c > 0, two += c > 1;
+    // Does sharing an SM slow a CTA's stream (its SM's L2 bandwidth, TMA unit)?
+    std::vector<double> alone, shared, alone_done, shared_done;
+    for (const auto& rec : r.records) {
+      if (rec.clock[kTimelineMainloopDone] == 0) continue;
+      const double cycles = rec.clock[kTimelineMainloopDone] - rec.clock[kTimelineFirstData];
+      const double done_us = (rec.global_ns[kTimelineMainloopDone] - t0) * 1e-3;
+      (per_sm[rec.sm % kMaxSms] > 1 ? shared : alone).push_back(cycles);
+      (per_sm[rec.sm % kMaxSms] > 1 ? shared_done : alone_done).push_back(done_us);
+    }
+    std::printf("  SMs used %d, of which %d hold two or more CTAs; stream cycles (median) alone %.0f, sharing %.0f; "
+                "mainloop done (median us) alone %.2f, sharing %.2f\n",
+                sms, two, median(alone), median(shared), median(alone_done), median(shared_done));
+    CHECK(cudaFree(a));
+    CHECK(cudaFree(b));
+    CHECK(cudaFree(c));
+  }
+  return 0;
+}
