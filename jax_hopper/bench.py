@@ -944,7 +944,9 @@ def main(argv=None):
                                  "sustained_preheat": SUSTAINED_PREHEAT, "sustained_order": "mirrored pairs, rotated",
                                  "sustained_statistic": "mean",
                                  "sustained_settle_rounds": SUSTAINED_SETTLE_ROUNDS,
-                                 "kernel_time_l2": "cold" if COLD_L2 else "warm"}}
+                                 "kernel_time_l2": "cold" if COLD_L2 else "warm",
+                                 # what was left out of each cold call's time (None: never learned)
+                                 "l2_scrub_kernels": list(_l2_scrub_kernels) if _l2_scrub_kernels else None}}
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
