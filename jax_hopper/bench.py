@@ -143,8 +143,9 @@ def input_set_count(a_shape, b_shape, itemsize) -> int:
 
 class AfterL2Scrub:
     """jitted fn, each call dispatched after a separate call that reads the scrub buffer,
-    so on the device's stream the product starts with L2 holding only clean lines of it. profiler.measure takes it for an already-jitted function
-    (jax.stages.Wrapped is a runtime-checkable protocol) and calls it as it is, so both
+    so on the device's stream the product starts with L2 holding only clean lines of it.
+    profiler.measure takes it for an already-jitted function (jax.stages.Wrapped is a
+    runtime-checkable protocol) and calls it as it is, so both
     dispatches fall in its timed window, in stream order; one jitted program instead
     would leave XLA free to run the two independent ops in either order, or together."""
 

@@ -31,6 +31,9 @@ using namespace jax_hopper;
 constexpr size_t kScrubBytes = size_t{120} << 20;  // 2x the H200's 60 MB L2
 constexpr int kReps = 7;                            // launches per shape; the median one is printed
 constexpr int kThreadsPerBlock = 256;
+constexpr int kFillBlocks = 1024;                                  // grid-stride fill of the operands
+constexpr int kScrubBlocks = 264, kScrubThreads = 1024;            // two CTAs per SM of an H200
+constexpr int kStages = 4;  // the small-M kind's instance in cuda/gemm/instances.def
 
 __global__ void fill(__half* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
@@ -93,8 +96,8 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&a, m * k * sizeof(__half)));
     CHECK(cudaMalloc(&b, k * n * sizeof(__half)));
     CHECK(cudaMalloc(&c, m * n * sizeof(__half)));
-    fill<<<1024, kThreadsPerBlock, 0, stream>>>(a, m * k, 1);
-    fill<<<1024, kThreadsPerBlock, 0, stream>>>(b, k * n, 2);
+    fill<<<kFillBlocks, kThreadsPerBlock, 0, stream>>>(a, m * k, 1);
+    fill<<<kFillBlocks, kThreadsPerBlock, 0, stream>>>(b, k * n, 2);
     CHECK(cudaGetLastError());
     GemmArgs args;
     args.a = a;
@@ -110,10 +113,11 @@ int main(int argc, char** argv) {
     std::vector<Run> runs;
     for (int rep = 0; rep < kReps; ++rep) {
       CHECK(cudaMemsetAsync(d_records, 0, kMaxCtas * sizeof(TimelineRecord), stream));
-      if (!warm) scrub<<<264, 1024, 0, stream>>>(scrub_buf, kScrubBytes / sizeof(uint4), sink);
+      if (!warm) scrub<<<kScrubBlocks, kScrubThreads, 0, stream>>>(scrub_buf, kScrubBytes / sizeof(uint4), sink);
       CHECK(cudaGetLastError());
       CHECK(cudaEventRecord(start, stream));
-      const Status st = launch_gemm_instance<KernelKind::kSmallM, ElementType::kF16, Major::kK, Major::kMN, 4>(args, stream);
+      const Status st =
+          launch_gemm_instance<KernelKind::kSmallM, ElementType::kF16, Major::kK, Major::kMN, kStages>(args, stream);
       if (!st.ok()) {
         std::fprintf(stderr, "launch: %s\n", st.message.c_str());
         return 1;

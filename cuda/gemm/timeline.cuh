@@ -24,7 +24,9 @@ struct TimelineRecord {
 };
 
 #ifdef JAX_HOPPER_TIMELINE
-__device__ TimelineRecord* g_timeline;  // one record per CTA (blockIdx.x); set by the probe
+// One record per CTA (blockIdx.x); set by the probe. Defined in this header, so the macro
+// is for single-translation-unit probes only.
+__device__ TimelineRecord* g_timeline;
 
 __device__ inline void timeline_mark(int event) {
   TimelineRecord* records = g_timeline;
