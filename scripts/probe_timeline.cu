@@ -71,6 +71,8 @@ int main(int argc, char** argv) {
   TimelineRecord* d_records;
   CHECK(cudaMalloc(&d_records, kMaxCtas * sizeof(TimelineRecord)));
   CHECK(cudaMemcpyToSymbol(g_timeline, &d_records, sizeof(d_records)));
+  const uint32_t capacity = kMaxCtas;
+  CHECK(cudaMemcpyToSymbol(g_timeline_capacity, &capacity, sizeof(capacity)));
   uint4* scrub_buf;
   uint32_t* sink;
   CHECK(cudaMalloc(&scrub_buf, kScrubBytes));
@@ -130,6 +132,8 @@ int main(int argc, char** argv) {
       CHECK(cudaMemcpy(r.records.data(), d_records, kMaxCtas * sizeof(TimelineRecord), cudaMemcpyDeviceToHost));
       int ctas = 0;
       while (ctas < kMaxCtas && r.records[ctas].global_ns[kTimelineEntry] != 0) ++ctas;
+      if (ctas == kMaxCtas) std::fprintf(stderr, "%s: more CTAs than the %ld records; only those timed\n", argv[arg],
+                                         static_cast<long>(kMaxCtas));
       r.records.resize(ctas);
       runs.push_back(std::move(r));
     }

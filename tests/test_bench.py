@@ -139,6 +139,34 @@ def test_cold_l2_scrub_runs_first_and_is_left_out_of_the_time():
         bench.without_l2_scrub(timings, ())
 
 
+def test_cold_kernel_time_leaves_out_the_learned_scrub_kernels(monkeypatch):
+    # The scrub's kernel names are learned once, by timing the scrub alone; each cold
+    # call's time is then the rest. A call whose first kernels are not the scrub's is an
+    # error, not a time (it would count the scrub, or drop the product's own kernels).
+    import jax.numpy as jnp
+
+    monkeypatch.setattr(bench, "_l2_scrub_kernels", None)
+    scrub = [("input_reduce_fusion", 0.03), ("input_reduce_fusion_1", 0.001)]
+    learned = []
+
+    class FakeProfiler:
+        @staticmethod
+        def measure(fn, aggregate=True):
+            assert fn is bench._read_l2_scrub and aggregate is False
+            return lambda *args: (learned.append(args) or None, scrub)
+
+    a = jnp.ones((4, 4))
+    v = bench.JaxVariant("ours", lambda x, y: x @ y)
+    v.cold_l2, v._profiler = True, FakeProfiler
+    v._measure = lambda *args: (None, scrub + [("gemm_fusion_dot", 0.25), ("loop_reduce_fusion", 0.05)])
+    assert v.kernel_ms(a, a) == pytest.approx(0.30)
+    assert v.kernel_ms(a, a) == pytest.approx(0.30)
+    assert len(learned) == 1
+    v._measure = lambda *args: (None, [("gemm_fusion_dot", 0.25)])
+    with pytest.raises(RuntimeError, match="--l2 cold"):
+        v.kernel_ms(a, a)
+
+
 def test_cold_l2_scrub_only_reads():
     # A scrub that wrote its buffer would leave L2 full of dirty lines, written back to
     # DRAM under the timed kernel: the program must write nothing but its one word.

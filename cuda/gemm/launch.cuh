@@ -245,11 +245,16 @@ constexpr int kMaxClusterPieces = 8;
 constexpr int kMinClusterPieceKTiles = 32;
 
 // Measurement override (scripts/probe_timeline.cu, decode_split_k.sh):
-// JAX_HOPPER_SPLIT_K_MIN_CLUSTER_K_TILES=T replaces kMinClusterPieceKTiles; read once.
+// JAX_HOPPER_SPLIT_K_MIN_CLUSTER_K_TILES=T (0 .. 1000000) replaces kMinClusterPieceKTiles;
+// anything else keeps it. Read once.
 inline int min_cluster_piece_k_tiles() {
   static const int tiles = [] {
+    constexpr long kMaxTiles = 1000000;
     const char* env = std::getenv("JAX_HOPPER_SPLIT_K_MIN_CLUSTER_K_TILES");
-    return env != nullptr ? std::atoi(env) : kMinClusterPieceKTiles;
+    if (env == nullptr || *env == '\0') return kMinClusterPieceKTiles;
+    char* end = nullptr;
+    const long value = std::strtol(env, &end, 10);
+    return *end == '\0' && value >= 0 && value <= kMaxTiles ? static_cast<int>(value) : kMinClusterPieceKTiles;
   }();
   return tiles;
 }

@@ -27,10 +27,11 @@ struct TimelineRecord {
 // One record per CTA (blockIdx.x); set by the probe. Defined in this header, so the macro
 // is for single-translation-unit probes only.
 __device__ TimelineRecord* g_timeline;
+__device__ uint32_t g_timeline_capacity;  // records there; CTAs past them mark nothing
 
 __device__ inline void timeline_mark(int event) {
   TimelineRecord* records = g_timeline;
-  if (records == nullptr) return;
+  if (records == nullptr || blockIdx.x >= g_timeline_capacity) return;
   uint64_t ns;
   uint32_t sm;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
