@@ -19,14 +19,14 @@
 
 using namespace jax_hopper;
 
-#define CHECK(x)                                                                             \
-  do {                                                                                       \
-    cudaError_t e_ = (x);                                                                    \
-    if (e_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
+// Exits with launch.cuh's message on a failed CUDA call or launch.
+static void check(const Status& st) {
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s\n", st.message.c_str());
+    std::exit(1);
+  }
+}
+#define CHECK(x) check(cuda_status((x), #x))
 
 constexpr size_t kScrubBytes = size_t{120} << 20;  // 2x the H200's 60 MB L2
 constexpr int kReps = 7;                            // launches per shape; the median one is printed
@@ -120,10 +120,7 @@ int main(int argc, char** argv) {
       CHECK(cudaEventRecord(start, stream));
       const Status st =
           launch_gemm_instance<KernelKind::kSmallM, ElementType::kF16, Major::kK, Major::kMN, kStages>(args, stream);
-      if (!st.ok()) {
-        std::fprintf(stderr, "launch: %s\n", st.message.c_str());
-        return 1;
-      }
+      check(st);
       CHECK(cudaEventRecord(stop, stream));
       CHECK(cudaStreamSynchronize(stream));
       Run r;
