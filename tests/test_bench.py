@@ -115,6 +115,7 @@ def test_sustained_rounds_mirror_and_rotate_the_order(monkeypatch):
     # variant's mean alike, so identical variants read identical means.
     assert len(set(bench.sustained_mean(times).values())) == 1
 
+
 def test_cold_l2_scrub_runs_first_and_is_left_out_of_the_time():
     # profiler.measure times a call right after an untimed one on the same inputs, so
     # --l2 cold dispatches a read of a buffer twice the size of L2 before each product:
