@@ -6,6 +6,7 @@
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda --expt-relaxed-constexpr \
 //     scripts/probe_timeline.cu cuda/hopper/tensor_map.cc -o /tmp/probe_timeline
 //   /tmp/probe_timeline 16x4096x4096 16x8192x8192
+// (-DPROBE_STAGES=N builds the kind with an N-stage ring instead of the library's 4.)
 #define JAX_HOPPER_TIMELINE
 #include <cuda_fp16.h>
 
@@ -33,7 +34,10 @@ constexpr int kReps = 7;                            // launches per shape; the m
 constexpr int kThreadsPerBlock = 256;
 constexpr int kFillBlocks = 1024;                                  // grid-stride fill of the operands
 constexpr int kScrubBlocks = 264, kScrubThreads = 1024;            // two CTAs per SM of an H200
-constexpr int kStages = 4;  // the small-M kind's instance in cuda/gemm/instances.def
+#ifndef PROBE_STAGES
+#define PROBE_STAGES 4  // the small-M kind's instance in cuda/gemm/instances.def
+#endif
+constexpr int kStages = PROBE_STAGES;  // -DPROBE_STAGES=N: the ring's depth, to measure
 
 __global__ void fill(__half* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
@@ -138,7 +142,9 @@ int main(int argc, char** argv) {
     const Run& r = runs[runs.size() / 2];
     uint64_t t0 = ~uint64_t{0};
     for (const auto& rec : r.records) t0 = std::min(t0, rec.global_ns[kTimelineEntry]);
-    static const char* kNames[kTimelineEvents] = {"entry", "producer", "first data", "mainloop done", "consumer done"};
+    static const char* kNames[kTimelineEvents] = {"entry",         "producer",       "first data",
+                                                  "mainloop done", "partials ready", "summed",
+                                                  "stores issued", "consumer done"};
     std::printf("%s (%s L2): %zu CTAs, CUDA events %.2f us (min %.2f)\n", argv[arg], warm ? "warm" : "cold",
                 r.records.size(), r.event_ms * 1e3, runs.front().event_ms * 1e3);
     std::printf("  %-14s %8s %8s %8s %8s   (us after the first CTA's entry; CTAs that reach the event)\n", "event",
@@ -163,6 +169,41 @@ int main(int argc, char** argv) {
     std::printf("  per CTA, cycles (median): entry->first data %.0f, first data->mainloop done %.0f, "
                 "mainloop done->consumer done %.0f\n",
                 median(ramp), median(stream_t), median(tail));
+    // RAW=prefix: every CTA's events (ns after the first entry) to prefix_MxNxK.csv.
+    if (const char* raw = std::getenv("RAW")) {
+      const std::string path = std::string(raw) + "_" + argv[arg] + ".csv";
+      if (FILE* f = std::fopen(path.c_str(), "w")) {
+        std::fprintf(f, "cta,sm");
+        for (int e = 0; e < kTimelineEvents; ++e) std::fprintf(f, ",%s", kNames[e]);
+        std::fprintf(f, "\n");
+        for (size_t i = 0; i < r.records.size(); ++i) {
+          std::fprintf(f, "%zu,%u", i, r.records[i].sm);
+          for (int e = 0; e < kTimelineEvents; ++e)
+            std::fprintf(f, ",%lld", r.records[i].global_ns[e] ? static_cast<long long>(r.records[i].global_ns[e] - t0)
+                                                               : -1LL);
+          std::fprintf(f, "\n");
+        }
+        std::fclose(f);
+      }
+    }
+    // The pieces that sum their tile: how long each step after their own mainloop took (us).
+    std::vector<double> wait_peers, sum_t, stage_t, store_wait;
+    const auto us = [](uint64_t from, uint64_t to) { return (to - from) * 1e-3; };
+    for (const auto& rec : r.records) {
+      const uint64_t* g = rec.global_ns;
+      if (g[kTimelineSummed] == 0 || g[kTimelinePartialsReady] == 0) continue;
+      wait_peers.push_back(us(g[kTimelineMainloopDone], g[kTimelinePartialsReady]));
+      sum_t.push_back(us(g[kTimelinePartialsReady], g[kTimelineSummed]));
+      stage_t.push_back(us(g[kTimelineSummed], g[kTimelineStoresIssued]));
+      store_wait.push_back(us(g[kTimelineStoresIssued], g[kTimelineConsumerDone]));
+    }
+    if (!sum_t.empty())
+      std::printf("  summing pieces (%zu), us (median / max): own mainloop done->partials ready %.2f / %.2f, "
+                  "sum %.2f / %.2f, stage + issue stores %.2f / %.2f, wait for stores %.2f / %.2f\n",
+                  sum_t.size(), median(wait_peers), *std::max_element(wait_peers.begin(), wait_peers.end()),
+                  median(sum_t), *std::max_element(sum_t.begin(), sum_t.end()), median(stage_t),
+                  *std::max_element(stage_t.begin(), stage_t.end()), median(store_wait),
+                  *std::max_element(store_wait.begin(), store_wait.end()));
     constexpr int kMaxSms = 1024;
     std::vector<int> per_sm(kMaxSms, 0);
     for (const auto& rec : r.records) per_sm[rec.sm % kMaxSms]++;

@@ -218,6 +218,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
         if (unit.role == UnitRole::kContributor &&
             !SplitKReduce<Cfg>::reduce(acc, stream_k, work, unit, smem, warpgroup, out.m - row0))
           continue;  // another piece of the tile finishes it
+        JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineSummed);
       }
       if constexpr (Cfg::kSavesDerivative) {  // act and act' computed as the sub-tiles are staged
         FusedOps<Cfg>::share_bias(out, bias_pair, smem.fused.bias[warpgroup], Cfg::kFirstEpilogueBarrier + warpgroup);
@@ -253,6 +254,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
       }
     }
     if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, 0);
+    JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineStoresIssued);
     if constexpr (Cfg::kTmaStoreEpilogue) Epilogue::finish();
     JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineConsumerDone);
   }

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "gemm/config.cuh"
+#include "gemm/timeline.cuh"
 #include "gemm/tile_scheduler.cuh"
 #include "hopper/async_copy.cuh"
 #include "hopper/cluster.cuh"
@@ -146,6 +147,7 @@ struct SplitKReduce {
     }
     if (!hopper::named_barrier_any(barrier, hopper::kWarpgroupSize, last)) return false;
     __threadfence();  // every thread's loads after the last arrival's acquire
+    JH_TIMELINE_MARK(threadIdx.x == 0, kTimelinePartialsReady);
 #pragma unroll
     for (int i = 0; i < Cfg::kAccumulators; ++i) acc[i] = 0.0f;
     if (!Slots::warp_has_rows(rows)) return true;
@@ -188,6 +190,7 @@ struct SplitKReduce {
       return false;
     }
     hopper::cluster_sync_relaxed();  // acquires the peers' partial sums
+    JH_TIMELINE_MARK(threadIdx.x == 0, kTimelinePartialsReady);
     if (Slots::warp_has_rows(rows)) {
       for (int piece = 1; piece < work.pieces; ++piece) {
         float4 x[kVectors];  // all of a peer's loads in flight at once, then the adds

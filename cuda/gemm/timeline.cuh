@@ -12,6 +12,9 @@ enum TimelineEvent : int {
   kTimelineProducer,      // the producer thread, about to issue its first load
   kTimelineFirstData,     // consumer thread 0, its first stage has landed
   kTimelineMainloopDone,  // consumer thread 0, its last MMA retired
+  kTimelinePartialsReady, // split K, the piece that sums: the other pieces' partial sums are there to read
+  kTimelineSummed,        // split K, the piece that sums: the tile's total is in its registers
+  kTimelineStoresIssued,  // consumer thread 0, its last TMA store issued (before waiting for the stores)
   kTimelineConsumerDone,  // consumer thread 0, partial sum handed on or output stored
   kTimelineEvents
 };
