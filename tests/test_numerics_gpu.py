@@ -379,12 +379,12 @@ def test_stream_k_really_splits_the_tail(hopper):
                          ids=lambda s: "x".join(map(str, s)))
 def test_small_m_kind_is_correct_and_deterministic(hopper, shape, dtype):
     """The decode kind splits every tile's K range into pieces, one CTA each, summed in
-    piece order, in a cluster of the tile's pieces (on an H200: 3 at N = K = 8192, 2 at
-    100x8192x8192, 8 at 16x1024x1024, 6 at 16x4992x4096, 5 at 16x5760x4096) or by the last
-    piece to finish through global memory (two tiles cut into 64 pieces at 16x256x8192; 8
-    short pieces at 16x4096x4096, where clusters would hold only 7): right (rows past M,
-    warps holding none of them, partial N and K tiles, no split at 3x100x103), and bitwise
-    the same on every call."""
+    piece order, in a cluster of the tile's pieces, each piece summing its share of the
+    tile's columns (on an H200: 3 at N = K = 8192, 2 at 100x8192x8192, 8 at 16x1024x1024,
+    7 at 16x4096x4096, 6 at 16x4992x4096, 5 at 16x5760x4096) or by the last piece to
+    finish through global memory (two tiles cut into 64 pieces at 16x256x8192): right
+    (rows past M, warps holding none of them, partial N and K tiles, no split at
+    3x100x103), and bitwise the same on every call."""
     from jax_hopper._primitive import gemm
 
     m, n, k = shape

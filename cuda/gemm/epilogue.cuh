@@ -114,7 +114,6 @@ struct DirectStoreEpilogue {
 
   template <class Out>
   __device__ static void store_as(const Acc& acc, const OutputParams& out, int batch, int row0, int col0) {
-    using Pair = PairOf<Out>;
     const int t = hopper::thread_in_warpgroup();
     const int warp = t / hopper::kWarpSize;
     const int lane = t % hopper::kWarpSize;
@@ -128,18 +127,34 @@ struct DirectStoreEpilogue {
       Out* dst_row = base + static_cast<int64_t>(row) * out.ldc;
 #pragma unroll
       for (int j = 0; j < kColBlocks; ++j) {
-        const int col = c + j * kColsPerBlock;
         const float2 v = Frag::pair(acc, 4 * j + 2 * half);
-        const auto pair = Pair::convert(v.x, v.y);
-        if (out.paired_stores && col + 1 < out.n) {
-          *reinterpret_cast<typename Pair::type*>(dst_row + col) = pair;
-        } else {
-          Out x, y;
-          Pair::split(pair, x, y);
-          if (col < out.n) dst_row[col] = x;
-          if (col + 1 < out.n) dst_row[col + 1] = y;
-        }
+        store_pair<Out>(out, dst_row, c + j * kColsPerBlock, v.x, v.y);
       }
+    }
+  }
+
+  // Columns col and col + 1 of one row of C, masked at N; one store where pairs are aligned.
+  template <class Out>
+  __device__ static void store_pair(const OutputParams& out, Out* dst_row, int col, float x, float y) {
+    using Pair = PairOf<Out>;
+    const auto pair = Pair::convert(x, y);
+    if (out.paired_stores && col + 1 < out.n) {
+      *reinterpret_cast<typename Pair::type*>(dst_row + col) = pair;
+    } else {
+      Out a, b;
+      Pair::split(pair, a, b);
+      if (col < out.n) dst_row[col] = a;
+      if (col + 1 < out.n) dst_row[col + 1] = b;
+    }
+  }
+
+  // The same for C's element (row, col) and its neighbour, in C's type (f32 or 16-bit).
+  __device__ static void store_pair(const OutputParams& out, int batch, int row, int col, float x, float y) {
+    const int64_t offset = batch * out.batch_stride + static_cast<int64_t>(row) * out.ldc;
+    if (out.f32) {
+      store_pair<float>(out, static_cast<float*>(out.c) + offset, col, x, y);
+    } else {
+      store_pair<typename Cfg::Element>(out, static_cast<typename Cfg::Element*>(out.c) + offset, col, x, y);
     }
   }
 

@@ -135,6 +135,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     int64_t unit_index = 0;  // this CTA's units so far (ping-pong: whose turn it is)
     int64_t own_units = 0;   // ping-pong: this warpgroup's units so far
     uint32_t operand_phase = 0;  // staged operand: parity of this warpgroup's tiles so far
+    bool summed = false;  // split K: this CTA's piece went through SplitKReduce
     typename TmaStoreEpilogue<Cfg>::Pending pending;  // the deferred store's previous tile
     pending.valid = false;
     // Ping-pong: the other warpgroup may start its next mainloop. Every thread arrives
@@ -215,9 +216,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
         }
       }
       if constexpr (Cfg::kSplitK) {
-        if (unit.role == UnitRole::kContributor &&
-            !SplitKReduce<Cfg>::reduce(acc, stream_k, work, unit, smem, warpgroup, out.m - row0))
-          continue;  // another piece of the tile finishes it
+        summed = unit.role == UnitRole::kContributor;
+        if (summed && !SplitKReduce<Cfg>::reduce(acc, stream_k, work, unit, smem, warpgroup, out, tile.batch, row0, col0))
+          continue;  // another piece of the tile stores it, or (in a cluster) each piece its columns
         JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineSummed);
       }
       if constexpr (Cfg::kSavesDerivative) {  // act and act' computed as the sub-tiles are staged
@@ -256,6 +257,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, 0);
     JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineStoresIssued);
     if constexpr (Cfg::kTmaStoreEpilogue) Epilogue::finish();
+    if constexpr (Cfg::kSplitK) SplitKReduce<Cfg>::finish(work, summed);
     JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineConsumerDone);
   }
   // No CTA may exit while a peer can still multicast into or arrive on its shared memory.

@@ -231,34 +231,16 @@ inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
 // distributed shared memory, with no workspace, counters or L2 round trips. Clusters of
 // up to 8 CTAs are portable. A cluster must fit in one GPC, so fewer CTAs may be
 // resident in clusters than alone: of the piece counts from the one-wave rule's down to
-// 2, the first whose clusters all fit at once is taken if it is the rule's own or its
-// pieces are still at least kMinClusterPieceKTiles K tiles long. Measured on an H200
-// (BENCHMARKS.md, session of 2026-12-03 22:47), clusters against the global workspace:
-// long pieces stream B at full bandwidth, so fewer of them cost nothing and the cheaper
-// sum wins (N = K = 8192, 64 tiles: 3 pieces of 43 K tiles in clusters against 4 of 32,
-// M = 16 38.3 vs 39.1 us, M = 64 40.3 vs 45.5); short ones are latency-bound, so fewer
-// pieces are slower (16x4096x4096: 7 of 10 K tiles 14.9 us against 8 of 8 13.9 us;
-// 16x5120x4096: 5 against 6, 17.1 vs 16.5). Between 13 and 43 K tiles is unmeasured.
-// Otherwise (more pieces than a cluster holds, more tiles than clusters, or short pieces
-// lost) the pieces meet in a global workspace.
-constexpr int kMaxClusterPieces = 8;
-constexpr int kMinClusterPieceKTiles = 32;
-
-// Measurement override (scripts/probe_timeline.cu, decode_split_k.sh):
-// JAX_HOPPER_SPLIT_K_MIN_CLUSTER_K_TILES=T (0 .. 1000000) replaces kMinClusterPieceKTiles;
-// anything else keeps it. Read once.
-inline int min_cluster_piece_k_tiles() {
-  static const int tiles = [] {
-    constexpr long kMaxTiles = 1000000;
-    const char* env = std::getenv("JAX_HOPPER_SPLIT_K_MIN_CLUSTER_K_TILES");
-    if (env == nullptr || *env == '\0') return kMinClusterPieceKTiles;
-    char* end = nullptr;
-    const long value = std::strtol(env, &end, 10);
-    return *end == '\0' && value >= 0 && value <= kMaxTiles ? static_cast<int>(value) : kMinClusterPieceKTiles;
-  }();
-  return tiles;
-}
-
+// 2, the first whose clusters all fit at once is taken. Measured on an H200, clusters
+// against the global workspace: long pieces stream B at full bandwidth, so fewer of them
+// cost nothing and the cheaper sum wins (session of 2026-12-03 22:47: N = K = 8192, 64
+// tiles, 3 pieces of 43 K tiles in clusters against 4 of 32, M = 16 38.3 vs 39.1 us,
+// M = 64 40.3 vs 45.5). Short pieces lost in clusters while piece 0 summed the tile
+// alone; since every piece sums its own columns they win too (session of 2026-12-04
+// 04:36, CUDA events per launch: 16x4096x4096 7 of 10 K tiles 17.2 us against 8 of 8
+// through global memory 20.1; 16x5120x4096 5 against 6, 19.3 vs 22.2). Otherwise (more
+// pieces than a cluster holds, more tiles than clusters) the pieces meet in a global
+// workspace.
 // Measurement override (scripts/decode_split_k.sh): JAX_HOPPER_SPLIT_K_CLUSTER=0 sums
 // every split through the global workspace; read once per process.
 inline bool split_k_clusters_allowed() {
@@ -306,10 +288,8 @@ void choose_split_k_clusters(const void* kernel, size_t smem, int resident, Work
     return;
   for (int pieces = work->pieces; pieces >= 2; --pieces) {
     if (work->num_tiles > active_clusters<Cfg>(kernel, smem, pieces)) continue;
-    if (pieces == work->pieces || work->k_tiles / pieces >= min_cluster_piece_k_tiles()) {
-      work->pieces = pieces;
-      work->cluster_pieces = true;
-    }
+    work->pieces = pieces;
+    work->cluster_pieces = true;
     return;
   }
 }

@@ -78,6 +78,9 @@ struct WorkUnit {
 // later ranges, hence lower cluster indices: CTAs the hardware launched no later than
 // the finisher, so a finisher never spins on a CTA still waiting for an SM.
 // Deterministic: the split depends only on the shape and C.
+// Split K: the most pieces of a tile that form one cluster (a portable cluster size).
+constexpr int kMaxClusterPieces = 8;
+
 struct WorkList {
   int64_t num_tiles;
   int64_t clusters;
@@ -85,8 +88,9 @@ struct WorkList {
   bool split_tail;     // the host found the workspace for the partial sums
   int64_t max_splits;  // pieces per tail tile at most (the kind's kMaxSplitsPerTile)
   int pieces = 1;      // split K: pieces per tile (SplitKCursor)
-  // Split K: a tile's pieces are one cluster, summed through distributed shared memory
-  // (SplitKReduce), rather than separate CTAs meeting in a global workspace.
+  // Split K: a tile's pieces are one cluster (of at most kMaxClusterPieces), summed
+  // through distributed shared memory (SplitKReduce), rather than separate CTAs meeting
+  // in a global workspace.
   bool cluster_pieces = false;
   // Rows of A's TMA box, which each stage loads (GemmConfig::a_box_rows): the tile's,
   // or in the small-M kind only those up to M.
