@@ -375,13 +375,14 @@ def test_stream_k_really_splits_the_tail(hopper):
 @pytest.mark.parametrize("shape", [(1, 8192, 8192), (16, 8192, 8192), (40, 8192, 8192), (64, 8192, 8192),
                                    (100, 8192, 8192), (128, 4096, 14336), (16, 256, 8192), (16, 1000, 520),
                                    (17, 14336, 4096), (3, 100, 103), (16, 4096, 4096), (16, 1024, 1024),
-                                   (16, 4992, 4096), (16, 5760, 4096)],
+                                   (16, 4992, 4096), (16, 5760, 4096), (16, 4097, 4096)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_small_m_kind_is_correct_and_deterministic(hopper, shape, dtype):
     """The decode kind splits every tile's K range into pieces, one CTA each, summed in
     piece order, in a cluster of the tile's pieces, each piece summing its share of the
     tile's columns (on an H200: 3 at N = K = 8192, 2 at 100x8192x8192, 8 at 16x1024x1024,
-    7 at 16x4096x4096, 6 at 16x4992x4096, 5 at 16x5760x4096) or by the last piece to
+    7 at 16x4096x4096, 6 at 16x4992x4096 and at 16x4097x4096, whose odd N the pieces
+    store element by element, 5 at 16x5760x4096) or by the last piece to
     finish through global memory (two tiles cut into 64 pieces at 16x256x8192): right
     (rows past M, warps holding none of them, partial N and K tiles, no split at
     3x100x103), and bitwise the same on every call."""

@@ -227,7 +227,7 @@ struct SplitKReduce {
       case 6: sum_columns<6>(ring, unit.piece, threads, out, batch, row0, col0); break;
       case 7: sum_columns<7>(ring, unit.piece, threads, out, batch, row0, col0); break;
       case 8: sum_columns<8>(ring, unit.piece, threads, out, batch, row0, col0); break;
-      default: hopper::cluster_arrive(); break;  // none: the host forms clusters of 2 .. kMaxClusterPieces
+      default: hopper::cluster_arrive_relaxed(); break;  // none: the host forms clusters of 2 .. kMaxClusterPieces
     }
     static_assert(kMaxClusterPieces == 8, "a case per cluster size");
     JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineSummed);
@@ -255,19 +255,24 @@ struct SplitKReduce {
           x[i][q] = q == piece ? ring[first + e] : hopper::load_shared_cluster_v4(&ring[first + e], q);
       }
     }
-    hopper::cluster_arrive();  // this piece is done reading the others' rings (a release: the loads above first)
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+#pragma unroll
+      for (int q = 1; q < kPieces; ++q) {
+        x[i][0].x += x[i][q].x;
+        x[i][0].y += x[i][q].y;
+        x[i][0].z += x[i][q].z;
+        x[i][0].w += x[i][q].w;
+      }
+    }
+    // Done reading the others' rings: every load's value has been used above, so a relaxed
+    // arrival (no MEMBAR.ALL.GPU, which a release costs) cannot pass a load still in flight.
+    hopper::cluster_arrive_relaxed();
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int e = i * hopper::kWarpgroupSize + t;
       if (e >= count) continue;
-      float4 sum = x[i][0];
-#pragma unroll
-      for (int q = 1; q < kPieces; ++q) {
-        sum.x += x[i][q].x;
-        sum.y += x[i][q].y;
-        sum.z += x[i][q].z;
-        sum.w += x[i][q].w;
-      }
+      const float4 sum = x[i][0];
       const int v = (first + e) / threads;
       const int u = (first + e) % threads;
       const int lane = u % hopper::kWarpSize;

@@ -28,9 +28,11 @@ __device__ __forceinline__ void cluster_sync_relaxed() {
                "barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// The two halves of cluster_sync, for a thread with other work between its arrival and
-// the point where it must know every peer has arrived.
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+// The two halves of cluster_sync_relaxed, for a thread with other work between its
+// arrival and the point where it must know every peer has arrived.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 // The float4 at `local`'s shared-memory offset in CTA `cta` of the cluster (distributed
