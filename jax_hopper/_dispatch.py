@@ -449,8 +449,10 @@ def _runnable(path: str, rule: str) -> tuple[str, str]:
 # beats jnp.dot on decode shapes (XLA's Triton split-K there; the split-K form, summed in
 # clusters and loading only A's rows up to M: 0.85-1.00x at M <= 64 where N x K >=
 # 4096 x 14336, 0.69-0.74x at 16x4096x4096 with L2 warm between calls, session of
-# 2026-12-04 00:06; 0.73-0.94x with the weights cold in L2, as in a decode step, session
-# of 02:44), so "auto" keeps them on XLA; this picks the kind once our kernel is asked for.
+# 2026-12-04 00:06; with the weights cold in L2, as in a decode step, 0.73-0.94x, session
+# of 02:44, and 0.89-0.96x since each piece of a cluster sums its share of the tile's
+# columns, session of 04:36), so "auto" keeps them on XLA; this picks the kind once our
+# kernel is asked for.
 SMALL_M_MAX_ROWS = 64
 
 

@@ -36,8 +36,9 @@ wait
     for setting in $SETTINGS; do
       echo "### ${b%%:*} $setting"
       tag=$(echo "${b%%:*}_$setting" | tr " =" "__")
-      if [ "$setting" = default ]; then RAW="$OUT/raw_$tag" "${b#*:}" $SHAPES; else env RAW="$OUT/raw_$tag" "$setting" "${b#*:}" $SHAPES; fi ||
-        echo "probe failed: $?"
+      envs=(RAW="$OUT/raw_$tag")
+      [ "$setting" = default ] || envs+=("$setting")
+      env "${envs[@]}" "${b#*:}" $SHAPES || echo "probe failed: $?"
     done
   done
 } > "$OUT/timeline.txt" 2>&1
@@ -47,6 +48,7 @@ if ls "$OUT"/raw_*.csv > /dev/null 2>&1; then
   tar -C "$OUT" -czf "$OUT/raw.tar.gz" $(cd "$OUT" && ls raw_*.csv) && rm -f "$OUT"/raw_*.csv
 fi
 if [ "${SKIP_XLA:-0}" != 1 ]; then
-  HLO_DIR="$OUT" python3 scripts/probe_xla_decode.py $SHAPES > "$OUT/xla.txt" 2>&1 || echo "xla probe failed: $?" >> "$OUT/xla.txt"
+  HLO_DIR="$OUT" python3 scripts/probe_xla_decode.py $SHAPES > "$OUT/xla.txt" 2>&1 ||
+    echo "xla probe failed: $?" >> "$OUT/xla.txt"
   cat "$OUT/xla.txt"
 fi

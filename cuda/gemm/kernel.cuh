@@ -217,7 +217,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
       }
       if constexpr (Cfg::kSplitK) {
         summed = unit.role == UnitRole::kContributor;
-        if (summed && !SplitKReduce<Cfg>::reduce(acc, stream_k, work, unit, smem, warpgroup, out, tile.batch, row0, col0))
+        if (summed &&
+            !SplitKReduce<Cfg>::reduce(acc, stream_k, work, unit, smem, warpgroup, out, tile.batch, row0, col0))
           continue;  // another piece of the tile stores it, or (in a cluster) each piece its columns
         JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineSummed);
       }
