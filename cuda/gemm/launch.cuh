@@ -238,9 +238,10 @@ inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
 // M = 64 40.3 vs 45.5). Short pieces lost in clusters while piece 0 summed the tile
 // alone; since every piece sums its own columns they win too (session of 2026-12-04
 // 04:36, CUDA events per launch: 16x4096x4096 7 of 10 K tiles 17.2 us against 8 of 8
-// through global memory 20.1; 16x5120x4096 5 against 6, 19.3 vs 22.2). Otherwise (more
-// pieces than a cluster holds, more tiles than clusters) the pieces meet in a global
-// workspace.
+// through global memory 20.1; 16x5120x4096 5 against 6, 19.3 vs 22.2). Drops of more
+// than one piece (80-88 tiles: 3 pieces -> 2, as an H200 holds 79 clusters of 3) are
+// unmeasured. Otherwise (more pieces than a cluster holds, more tiles than clusters) the
+// pieces meet in a global workspace.
 // Measurement override (scripts/decode_split_k.sh): JAX_HOPPER_SPLIT_K_CLUSTER=0 sums
 // every split through the global workspace; read once per process.
 inline bool split_k_clusters_allowed() {

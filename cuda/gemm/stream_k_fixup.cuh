@@ -207,6 +207,7 @@ struct SplitKReduce {
   __device__ static void reduce_in_cluster(const float (&acc)[Cfg::kAccumulators], const WorkList& work,
                                            const WorkUnit& unit, SharedStorage<Cfg>& smem, int warpgroup,
                                            const OutputParams& out, int batch, int row0, int col0) {
+    static_assert(Slots::kSlotVectors <= kRingVectors, "a partial sum fits in the ring");
     float4* ring = reinterpret_cast<float4*>(&smem.stages[0]);
     const int t = hopper::thread_in_warpgroup();
     const int threads = threads_with_rows(out.m - row0);  // the partial sum: [vector][thread of these]
@@ -256,7 +257,7 @@ struct SplitKReduce {
       }
     }
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
+    for (int i = 0; i < kPerThread; ++i) {  // (past `count`, sums of unloaded registers, never stored)
 #pragma unroll
       for (int q = 1; q < kPieces; ++q) {
         x[i][0].x += x[i][q].x;
@@ -267,6 +268,11 @@ struct SplitKReduce {
     }
     // Done reading the others' rings: every load's value has been used above, so a relaxed
     // arrival (no MEMBAR.ALL.GPU, which a release costs) cannot pass a load still in flight.
+    // The empty asm makes each sum an input of a volatile asm before the arrival's, so the
+    // compiler cannot sink an add (and with it the use of a load) below the arrival.
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i)
+      asm volatile("" ::"f"(x[i][0].x), "f"(x[i][0].y), "f"(x[i][0].z), "f"(x[i][0].w));
     hopper::cluster_arrive_relaxed();
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
