@@ -60,8 +60,12 @@ template <class Cfg>
 Status encode_subtile_map(CUtensorMap* map, const GemmArgs& args, const void* base, int64_t ld,
                           int64_t batch_stride, uint32_t bytes, bool* usable) {
   constexpr int64_t kAlign = 16;
+  // Rows of N x bytes a multiple of 16 too: with a padded ld (a 16-byte multiple) and
+  // f32 N = 131 or f16 N = 255, a review helper saw the TMA store write one element per
+  // row past N into the padding on an H200 (BENCHMARKS.md, session of 2026-12-04 04:36).
+  // jax_hopper's own calls have ld = N, for which this adds nothing.
   *usable = Cfg::kTmaStoreEpilogue && reinterpret_cast<uintptr_t>(base) % kAlign == 0 && ld * bytes % kAlign == 0 &&
-            (args.batch == 1 || batch_stride * bytes % kAlign == 0);
+            args.n * bytes % kAlign == 0 && (args.batch == 1 || batch_stride * bytes % kAlign == 0);
   if (!*usable) return Status::Ok();
   hopper::TensorMap3d d;
   d.base = base;
