@@ -20,7 +20,8 @@ for p in $PATCHES; do
   if [ "$p" != none ]; then
     src=/tmp/decode_probe_src_$name/cuda
     rm -rf "/tmp/decode_probe_src_$name" && mkdir -p "/tmp/decode_probe_src_$name" && cp -r cuda "$src"
-    (cd "/tmp/decode_probe_src_$name" && patch -p1 < "$OLDPWD/$p") > "$OUT/patch_$name.log" 2>&1 || {
+    patch_file=$(realpath "$p")
+    (cd "/tmp/decode_probe_src_$name" && patch -p1 < "$patch_file") > "$OUT/patch_$name.log" 2>&1 || {
       echo "patch $p does not apply"; cat "$OUT/patch_$name.log"; exit 1; }
   fi
   for s in $STAGES; do
