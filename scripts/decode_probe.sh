@@ -4,7 +4,8 @@
 # ("none" = the tree as it is; a patch applies to a copy of cuda/), each run cold on SHAPES
 # once per setting in SETTINGS ("default" or VAR=VALUE, e.g. JAX_HOPPER_SPLIT_K_CLUSTER=0),
 # then, unless SKIP_XLA=1, what XLA runs for the same shapes (scripts/probe_xla_decode.py).
-#   STAGES="3 4" PATCHES="none experiments/decode/x.patch" SHAPES="16x8192x8192" bash scripts/decode_probe.sh
+#   STAGES="3 4" PATCHES="none /tmp/x.patch" SHAPES="16x8192x8192" bash scripts/decode_probe.sh
+# (a patch as `git diff main BRANCH -- cuda` makes it; its file name, less .patch, names the build)
 set -u
 OUT=${OUT:-/tmp/decode_probe}
 STAGES=${STAGES:-4}

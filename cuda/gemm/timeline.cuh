@@ -12,8 +12,8 @@ enum TimelineEvent : int {
   kTimelineProducer,      // the producer thread, about to issue its first load
   kTimelineFirstData,     // consumer thread 0, its first stage has landed
   kTimelineMainloopDone,  // consumer thread 0, its last MMA retired
-  kTimelinePartialsReady, // split K, the piece that sums: the other pieces' partial sums are there to read
-  kTimelineSummed,        // split K, the piece that sums: the tile's total is in its registers
+  kTimelinePartialsReady, // split K: the partial sums are there to read (in a cluster, every piece; else the last)
+  kTimelineSummed,        // split K: this piece's sum is done (in a cluster, its columns stored)
   kTimelineStoresIssued,  // consumer thread 0, its last TMA store issued (before waiting for the stores)
   kTimelineConsumerDone,  // consumer thread 0, partial sum handed on or output stored
   kTimelineEvents
