@@ -14,7 +14,7 @@ enum TimelineEvent : int {
   kTimelineMainloopDone,  // consumer thread 0, its last MMA retired
   kTimelinePartialsReady, // split K: the partial sums are there to read (in a cluster, every piece; else the last)
   kTimelineSummed,        // split K: this piece's sum is done (in a cluster, its columns stored)
-  kTimelineStoresIssued,  // consumer thread 0, its last TMA store issued (before waiting for the stores)
+  kTimelineStoresIssued,  // consumer thread 0, its stores issued (TMA ones not yet waited for)
   kTimelineConsumerDone,  // consumer thread 0, partial sum handed on or output stored
   kTimelineEvents
 };
