@@ -43,11 +43,22 @@ def _gpu_skip_reason():
     return "needs a Hopper (sm_90) GPU visible to jax; none found"
 
 
-@pytest.fixture
-def hopper():
+def _require_hopper():
     reason = _gpu_skip_reason()
     if reason is not None:
         if REQUIRE_GPU:
             pytest.fail(f"JAX_HOPPER_REQUIRE_GPU=1 but {reason}")
         pytest.skip(reason)
     return hopper_devices()[0]
+
+
+@pytest.fixture
+def hopper():
+    return _require_hopper()
+
+
+@pytest.fixture(scope="module")
+def hopper_module():
+    """`hopper` for module-scoped fixtures (which run before function-scoped ones, so
+    they cannot lean on `hopper` to skip first)."""
+    return _require_hopper()

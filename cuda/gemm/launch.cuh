@@ -217,9 +217,22 @@ inline int split_k_waves_override() {
   return waves;
 }
 
+// Test and measurement override (tests/test_split_k_gpu.py): JAX_HOPPER_SPLIT_K_PIECES=P
+// cuts every tile into P pieces (at most one per kMinSplitKTiles K tiles), summed in
+// clusters of exactly P where they fit (no smaller count is tried), otherwise through
+// global memory; read once per process.
+inline int split_k_pieces_override() {
+  static const int pieces = [] {
+    const char* env = std::getenv("JAX_HOPPER_SPLIT_K_PIECES");
+    return env != nullptr ? std::max(0, std::atoi(env)) : 0;
+  }();
+  return pieces;
+}
+
 inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
   const int64_t most = std::max(1, k_tiles / kMinSplitKTiles);
   const auto filling = [&](int64_t waves) { return std::clamp<int64_t>(waves * resident / tiles, 1, most); };
+  if (const int pieces = split_k_pieces_override(); pieces > 0) return static_cast<int>(std::min<int64_t>(pieces, most));
   if (const int waves = split_k_waves_override(); waves > 0) return static_cast<int>(filling(waves));
   if (tiles <= resident) return static_cast<int>(filling(1));
   int64_t best = 1, best_cost = INT64_MAX;
@@ -246,14 +259,19 @@ inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
 // than one piece (80-88 tiles: 3 pieces -> 2, as an H200 holds 79 clusters of 3) are
 // unmeasured. Otherwise (more pieces than a cluster holds, more tiles than clusters) the
 // pieces meet in a global workspace.
-// Measurement override (scripts/decode_split_k.sh): JAX_HOPPER_SPLIT_K_CLUSTER=0 sums
-// every split through the global workspace; read once per process.
-inline bool split_k_clusters_allowed() {
-  static const bool allowed = [] {
+// Test and measurement override (scripts/decode_split_k.sh, tests/test_split_k_gpu.py):
+// JAX_HOPPER_SPLIT_K_CLUSTER=0 sums every split through the global workspace; =1 requires
+// the clusters (a launch whose pieces cannot be summed in clusters fails, so a test of
+// the cluster sum cannot quietly test the other path); unset, clusters where they fit.
+// Read once per process.
+enum class SplitKClusters { kNever, kWhereTheyFit, kRequired };
+inline SplitKClusters split_k_clusters_setting() {
+  static const SplitKClusters setting = [] {
     const char* env = std::getenv("JAX_HOPPER_SPLIT_K_CLUSTER");
-    return env == nullptr || std::atoi(env) != 0;
+    if (env == nullptr) return SplitKClusters::kWhereTheyFit;
+    return std::atoi(env) == 0 ? SplitKClusters::kNever : SplitKClusters::kRequired;
   }();
-  return allowed;
+  return setting;
 }
 
 // How many clusters of 2 .. kMaxClusterPieces CTAs fit on the device at once, queried
@@ -287,16 +305,24 @@ int active_clusters(const void* kernel, size_t smem, int size) {
 }
 
 template <class Cfg>
-void choose_split_k_clusters(const void* kernel, size_t smem, int resident, WorkList* work) {
-  if (work->pieces < 2 || work->pieces > kMaxClusterPieces || work->num_tiles > resident ||
-      split_k_waves_override() > 0 || !split_k_clusters_allowed())
-    return;
-  for (int pieces = work->pieces; pieces >= 2; --pieces) {
-    if (work->num_tiles > active_clusters<Cfg>(kernel, smem, pieces)) continue;
-    work->pieces = pieces;
-    work->cluster_pieces = true;
-    return;
+Status choose_split_k_clusters(const void* kernel, size_t smem, int resident, WorkList* work) {
+  const SplitKClusters setting = split_k_clusters_setting();
+  if (setting == SplitKClusters::kNever) return Status::Ok();
+  // JAX_HOPPER_SPLIT_K_WAVES measures the global sum of the pieces that fill W waves.
+  if (work->pieces >= 2 && work->pieces <= kMaxClusterPieces && work->num_tiles <= resident &&
+      split_k_waves_override() == 0) {
+    const int fewest = split_k_pieces_override() > 0 ? work->pieces : 2;
+    for (int pieces = work->pieces; pieces >= fewest; --pieces) {
+      if (work->num_tiles > active_clusters<Cfg>(kernel, smem, pieces)) continue;
+      work->pieces = pieces;
+      work->cluster_pieces = true;
+      return Status::Ok();
+    }
   }
+  if (setting == SplitKClusters::kRequired)
+    return Status::Invalid("JAX_HOPPER_SPLIT_K_CLUSTER=1: " + std::to_string(work->num_tiles) + " tiles in " +
+                           std::to_string(work->pieces) + " pieces cannot be summed in clusters on this device");
+  return Status::Ok();
 }
 
 // Workspace of a split through global memory: a partial-sum slot per unit, then a zeroed
@@ -402,8 +428,8 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   StreamKParams stream_k{nullptr, nullptr};
   int cluster_size = Cfg::kClusterM;
   if constexpr (Cfg::kSplitK) {
-    choose_split_k_clusters<Cfg>(reinterpret_cast<const void*>(kernel), kSmem, resident, &work);
-    st = prepare_split_k<Cfg>(args, stream, work, &stream_k);
+    st = choose_split_k_clusters<Cfg>(reinterpret_cast<const void*>(kernel), kSmem, resident, &work);
+    if (st.ok()) st = prepare_split_k<Cfg>(args, stream, work, &stream_k);
     if (!st.ok()) return st;
     ctas = work.num_tiles * work.pieces;
     work.clusters = ctas;  // one unit per CTA
