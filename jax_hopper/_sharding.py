@@ -215,6 +215,23 @@ def _infer(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes
     return _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b)[1][2]
 
 
+def _without_context_mesh(per_device):
+    """A partition callback's per_device, traced with no mesh in context (as when the
+    caller sets none; shard_map bodies keep theirs). custom_partitioning traces its
+    per-device body under whatever mesh the caller set (jax.set_mesh): under an explicit
+    one, the body's jnp ops (a layer's bias broadcast, the product's f32 result) carry
+    sharding annotations that XLA meets after partitioning and cannot run ('No registered
+    implementation for untyped custom call to Sharding', jax 0.11.2; operands with no mesh
+    in their type, which take this path and not _shard_mapped's)."""
+    empty = jax.sharding.AbstractMesh((), ())
+
+    def body(*args):
+        with jax.sharding.use_abstract_mesh(empty):
+            return per_device(*args)
+
+    return body
+
+
 def _per_device_product(local_impl, k_axes, out_dtype, **params):
     """What each device computes: its product, or (K split over k_axes) its f32 partial
     sums, added over those axes and rounded once."""
@@ -232,7 +249,7 @@ def _partition(local_impl, transpose_a, transpose_b, out_dtype, kernel, stages, 
                                                                       result_shape)
     lower_fn = _per_device_product(local_impl, plan.k, out_dtype, transpose_a=transpose_a, transpose_b=transpose_b,
                                    kernel=kernel, stages=stages)
-    return mesh, lower_fn, out_sharding, (a_sharding, b_sharding)
+    return mesh, _without_context_mesh(lower_fn), out_sharding, (a_sharding, b_sharding)
 
 
 def _shard_mapped(per_device, arg_shardings, out_sharding, result_sharding, *args):
@@ -416,7 +433,8 @@ def _dense_infer(activation, has_bias, has_residual, mesh, arg_shapes, result_sh
 
 def _dense_partition(local_impl, activation, has_bias, has_residual, mesh, arg_shapes, result_shape):
     k_axes, arg_shardings, out_sharding = _dense_shardings(mesh, arg_shapes, has_bias, has_residual, result_shape)
-    return mesh, _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual), out_sharding, arg_shardings
+    per_device = _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual)
+    return mesh, _without_context_mesh(per_device), out_sharding, arg_shardings
 
 
 def _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual):

@@ -2,7 +2,8 @@
 # The small-M (decode) kind on the GPU: build, its numerics tests, the cluster capacity
 # probe, then the benchmark on decode shapes once per setting in $SETTINGS (each
 # "default" or an environment assignment such as JAX_HOPPER_SPLIT_K_CLUSTER=0,
-# JAX_HOPPER_SPLIT_K_WAVES=2 or JAX_HOPPER_SMALL_M_WHOLE_A=1: cuda/gemm/launch.cuh), against jnp.dot in the same
+# JAX_HOPPER_SPLIT_K_WAVES=2, JAX_HOPPER_SPLIT_K_PIECES=4 or JAX_HOPPER_SMALL_M_WHOLE_A=1:
+# cuda/gemm/launch.cuh), against jnp.dot in the same
 # process each time; L2 is "warm", "cold" (the operands evicted from L2 before each timed
 # call: bench --l2) or both ("warm cold"). Logs under $OUT (or ./device-out).
 set -uo pipefail
