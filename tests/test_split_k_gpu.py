@@ -25,6 +25,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -77,10 +78,18 @@ _PROGRAM = textwrap.dedent("""
         batch, m, n, k, _, out_dtype = case
         a, b = t._inputs(case)
         f = lambda x, y: gemm(x, y, kernel="small_m", out_dtype=jnp.dtype(out_dtype))
-        out, _ = run_into_poison(f, (*batch, m, n), jnp.dtype(out_dtype), a, b)
+        out, aliased = run_into_poison(f, (*batch, m, n), jnp.dtype(out_dtype), a, b)
         outs[t._name(case)] = np.asarray(out.astype(jnp.float32))
+        outs[t._name(case) + t.ALIASED] = np.asarray(aliased)
     np.savez(sys.argv[3], **outs)
 """)
+
+
+ALIASED = ":aliased"  # per case: whether the output really was the NaN-poisoned buffer
+CHILD_TIMEOUT_S = 300  # all children together (about 25 s on an H200); a hung sum fails, not blocks
+# Launch overrides a caller may have set that would change what the children run.
+OVERRIDES = ("JAX_HOPPER_SPLIT_K_CLUSTER", "JAX_HOPPER_SPLIT_K_PIECES", "JAX_HOPPER_SPLIT_K_WAVES",
+             "JAX_HOPPER_SMALL_M_WHOLE_A")
 
 
 @pytest.fixture(scope="module")
@@ -90,22 +99,34 @@ def split_outputs(hopper_module, tmp_path_factory):
     tests_dir = str(pathlib.Path(__file__).resolve().parent)
     tmp = tmp_path_factory.mktemp("split_k")
     # This process holds XLA's memory pool; the children allocate as they go.
-    base = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    base = {k: v for k, v in os.environ.items() if k not in OVERRIDES}
+    base["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     runs = {}
-    for cluster in ("1", "0"):
-        for pieces in PIECES:
-            path = tmp / f"c{cluster}_p{pieces}.npz"
-            env = {**base, "JAX_HOPPER_SPLIT_K_CLUSTER": cluster, "JAX_HOPPER_SPLIT_K_PIECES": str(pieces)}
-            proc = subprocess.Popen([sys.executable, "-c", _PROGRAM, tests_dir, json.dumps(CASES), str(path)],
-                                    cwd="/", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            runs[("cluster" if cluster == "1" else "global", pieces)] = (proc, path)
-    outputs = {}
-    for key, (proc, path) in runs.items():
-        log, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{key} failed:\n{log[-3000:]}"
-        with np.load(path) as saved:
-            outputs[key] = dict(saved)
-    return outputs
+    try:
+        for cluster in ("1", "0"):
+            for pieces in PIECES:
+                path, log = tmp / f"c{cluster}_p{pieces}.npz", tmp / f"c{cluster}_p{pieces}.log"
+                env = {**base, "JAX_HOPPER_SPLIT_K_CLUSTER": cluster, "JAX_HOPPER_SPLIT_K_PIECES": str(pieces)}
+                with open(log, "w") as sink:  # a file, not a pipe: a chatty child cannot block
+                    proc = subprocess.Popen([sys.executable, "-c", _PROGRAM, tests_dir, json.dumps(CASES), str(path)],
+                                            cwd="/", env=env, stdout=sink, stderr=subprocess.STDOUT)
+                runs[("cluster" if cluster == "1" else "global", pieces)] = (proc, path, log)
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        outputs = {}
+        for key, (proc, path, log) in runs.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{key} did not finish within {CHILD_TIMEOUT_S} s (a hung split-K sum?)")
+            assert proc.returncode == 0, f"{key} failed:\n{log.read_text()[-3000:]}"
+            with np.load(path) as saved:
+                outputs[key] = dict(saved)
+        return outputs
+    finally:
+        for proc, _, _ in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.parametrize("pieces", PIECES)
@@ -115,6 +136,8 @@ def test_cluster_sum_is_bitwise_the_global_sum(hopper, split_outputs, case, piec
     cluster = split_outputs[("cluster", pieces)][_name(case)]
     workspace = split_outputs[("global", pieces)][_name(case)]
     assert cluster.shape == (*batch, m, n)
+    for path in ("cluster", "global"):
+        assert split_outputs[(path, pieces)][_name(case) + ALIASED], f"{path}: the output was not the poisoned buffer"
     assert not np.isnan(cluster).any(), "an output element was never written (NaN poison left)"
     np.testing.assert_array_equal(cluster, workspace)
     a, b = _inputs(case)

@@ -308,20 +308,32 @@ template <class Cfg>
 Status choose_split_k_clusters(const void* kernel, size_t smem, int resident, WorkList* work) {
   const SplitKClusters setting = split_k_clusters_setting();
   if (setting == SplitKClusters::kNever) return Status::Ok();
-  // JAX_HOPPER_SPLIT_K_WAVES measures the global sum of the pieces that fill W waves.
-  if (work->pieces >= 2 && work->pieces <= kMaxClusterPieces && work->num_tiles <= resident &&
-      split_k_waves_override() == 0) {
-    const int fewest = split_k_pieces_override() > 0 ? work->pieces : 2;
+  const int forced = split_k_pieces_override();
+  // Why no cluster sum here (empty: clusters are possible).
+  const char* why = nullptr;
+  if (setting == SplitKClusters::kRequired && forced > 0 && work->pieces != forced) {
+    why = "JAX_HOPPER_SPLIT_K_PIECES asks for more pieces than K allows (one per 2 K tiles)";
+  } else if (work->pieces < 2) {
+    why = "the product is not split";
+  } else if (work->pieces > kMaxClusterPieces) {
+    why = "more pieces than a portable cluster holds";
+  } else if (work->num_tiles > resident) {
+    why = "more tiles than resident clusters";
+  } else if (split_k_waves_override() > 0) {
+    why = "JAX_HOPPER_SPLIT_K_WAVES measures the global sum";
+  } else {
+    const int fewest = forced > 0 ? work->pieces : 2;
     for (int pieces = work->pieces; pieces >= fewest; --pieces) {
       if (work->num_tiles > active_clusters<Cfg>(kernel, smem, pieces)) continue;
       work->pieces = pieces;
       work->cluster_pieces = true;
       return Status::Ok();
     }
+    why = "the clusters do not fit on this device at once";
   }
   if (setting == SplitKClusters::kRequired)
     return Status::Invalid("JAX_HOPPER_SPLIT_K_CLUSTER=1: " + std::to_string(work->num_tiles) + " tiles in " +
-                           std::to_string(work->pieces) + " pieces cannot be summed in clusters on this device");
+                           std::to_string(work->pieces) + " pieces cannot be summed in clusters: " + why);
   return Status::Ok();
 }
 
