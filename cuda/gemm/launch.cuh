@@ -232,7 +232,9 @@ inline int split_k_pieces_override() {
 inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
   const int64_t most = std::max(1, k_tiles / kMinSplitKTiles);
   const auto filling = [&](int64_t waves) { return std::clamp<int64_t>(waves * resident / tiles, 1, most); };
-  if (const int pieces = split_k_pieces_override(); pieces > 0) return static_cast<int>(std::min<int64_t>(pieces, most));
+  if (const int pieces = split_k_pieces_override(); pieces > 0) {
+    return static_cast<int>(std::min<int64_t>(pieces, most));
+  }
   if (const int waves = split_k_waves_override(); waves > 0) return static_cast<int>(filling(waves));
   if (tiles <= resident) return static_cast<int>(filling(1));
   int64_t best = 1, best_cost = INT64_MAX;
@@ -309,10 +311,10 @@ Status choose_split_k_clusters(const void* kernel, size_t smem, int resident, Wo
   const SplitKClusters setting = split_k_clusters_setting();
   if (setting == SplitKClusters::kNever) return Status::Ok();
   const int forced = split_k_pieces_override();
-  // Why no cluster sum here (empty: clusters are possible).
+  // Why the pieces cannot be summed in clusters (null while they may be).
   const char* why = nullptr;
   if (setting == SplitKClusters::kRequired && forced > 0 && work->pieces != forced) {
-    why = "JAX_HOPPER_SPLIT_K_PIECES asks for more pieces than K allows (one per 2 K tiles)";
+    why = "JAX_HOPPER_SPLIT_K_PIECES asks for more pieces than K allows (see split_k_pieces)";
   } else if (work->pieces < 2) {
     why = "the product is not split";
   } else if (work->pieces > kMaxClusterPieces) {
