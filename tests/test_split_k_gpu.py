@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import relative_error
+from helpers import f32_reference, relative_error, seed_normal
 
 ERROR_FACTOR = 1.5  # as in test_numerics_gpu: only a different f32 summation order
 PIECES = [2, 3, 5, 8]  # 8: the most a portable cluster holds; 3 and 5 split the columns unevenly
@@ -56,8 +56,6 @@ def _name(case) -> str:
 
 
 def _inputs(case):
-    from helpers import seed_normal
-
     batch, m, n, k, dtype, _ = case
     ka, kb = jax.random.split(jax.random.key(m * 7 + n + k))
     return seed_normal(ka, (*batch, m, k), jnp.dtype(dtype), k), seed_normal(kb, (*batch, k, n), jnp.dtype(dtype), k)
@@ -141,7 +139,7 @@ def test_cluster_sum_is_bitwise_the_global_sum(hopper, split_outputs, case, piec
     assert not np.isnan(cluster).any(), "an output element was never written (NaN poison left)"
     np.testing.assert_array_equal(cluster, workspace)
     a, b = _inputs(case)
-    ref = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")  # batched too
+    ref = f32_reference(a, b)
     err = relative_error(jnp.asarray(cluster), ref)
     err_jnp = relative_error(jnp.matmul(a, b, preferred_element_type=jnp.dtype(out_dtype)), ref)
     # f32 output: no final rounding, both errors are f32 summation noise (~1e-7); see
