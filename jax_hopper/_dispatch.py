@@ -37,7 +37,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jax_hopper import _ffi
-from jax_hopper._primitive import DEFAULT_KERNEL, SMALL_M_KERNEL
+from jax_hopper._primitive import DEFAULT_KERNEL, SMALL_M_KERNEL, TMA_ROW_MULTIPLE
 
 POLICIES = ("auto", "kernel", "xla")
 _ENV = "JAX_HOPPER_DISPATCH"
@@ -113,6 +113,18 @@ class Problem:
         return 1e6 * self.flops / H200_PEAK_FLOPS
 
     @property
+    def padding_copy_us(self) -> float:
+        """HBM time of the copies that pad stored rows for TMA (ops' _pad_for_tma: a row
+        that is not a multiple of 8 16-bit elements), each read once and written once at
+        the padded length; zero where every stored row is aligned."""
+        b = max(self.batch, 1)
+        a_row, b_row = self.operand_rows
+        a_rows, b_rows = (self.k if self.transpose_a else self.m), (self.n if self.transpose_b else self.k)
+        moved = sum(2 * b * outer * -(-row // TMA_ROW_MULTIPLE) * TMA_ROW_MULTIPLE * self.itemsize
+                    for row, outer in ((a_row, a_rows), (b_row, b_rows)) if row % TMA_ROW_MULTIPLE)
+        return 1e6 * moved / H200_PEAK_BYTES_PER_S
+
+    @property
     def roofline_us(self) -> float:
         """The H200's lower bound on its time: the compute time or the HBM time of the
         operands and output, whichever binds."""
@@ -144,14 +156,26 @@ class Rule:
 # stays (BENCHMARKS.md, 2026-12-02 07:48).
 MIN_UNALIGNED_KERNEL_US = 4.0
 
+# The padding copies (Problem.padding_copy_us) may cost at most this share of the
+# product's roofline time. Where B's stored rows are unaligned (jnp.dot's B [K, N] with N
+# not a multiple of 8: an odd vocabulary such as GPT-2's 50257), the padding copies the
+# whole weight, twice the HBM traffic of the product itself at small M. Measured at
+# 1e33a4a (f16, L2 cold; BENCHMARKS.md, session of 2026-12-04 14:23): copy / roofline
+# about 2 lost to jnp.dot at every M up to 128 (1, 16, 64 x 50257 x 768 / 1600 / 4096,
+# 16x32001x4096, 128x50257x4096: 0.33-0.54x), 1.61 won by a little (256x50257x4096,
+# 1.06x), 1.07 and below won (384, 512, 1024 x 50257 x 4096: 1.13, 1.45, 1.80x; odd K,
+# where only A is copied: 0.00-0.05, 16-256 x 8192 x 8191 and 16 x 4096 / 14336 x 4095,
+# 1.9-3.3x; squares 1279^3 and 1535^3: 0.64 and 0.54, 1.9 and 2.7x).
+PADDING_COPY_MAX_SHARE = 1.25
+
 
 def _unaligned_rows_win(p: Problem) -> bool:
-    """Rows TMA cannot describe, and enough work. At decode-sized M only where the
-    small-M kind runs (jnp.dot's layout, unbatched), which reads the weight in place and
-    is HBM-bound: 16 and 64 x 8192 x 8191 (28 us of HBM time) measured 2.4-2.5x. In the
-    other layouts or batched, such a weight is K-major and copied whole by the padding,
-    never measured: XLA."""
-    if p.rows_aligned:
+    """Rows TMA cannot describe, enough work, and padding copies that do not outweigh
+    the product. At decode-sized M only where the small-M kind runs (jnp.dot's layout,
+    unbatched): with an odd K it reads the weight in place and is HBM-bound (16 and 64 x
+    8192 x 8191, 28 us of HBM time: 3.1-3.3x); with an odd N, or a K-major weight (x @
+    W.T) with an odd K, the padding copies the weight whole and it loses."""
+    if p.rows_aligned or p.padding_copy_us > PADDING_COPY_MAX_SHARE * p.roofline_us:
         return False
     if p.m <= SMALL_M_MAX_ROWS:
         return kernel_for(p) == SMALL_M_KERNEL and p.roofline_us >= MIN_UNALIGNED_KERNEL_US
@@ -186,8 +210,9 @@ def _wide_aligned_win(p: Problem) -> bool:
 RULES: tuple[Rule, ...] = (
     Rule("unaligned-rows", _unaligned_rows_win, "kernel",
          "rows not 16-byte aligned: cuBLASLt falls to its slow kernels (8191^3 f16: 163 TF/s, 16x8192x8191: "
-         "18 TF/s) while ours pads only the short rows and runs at 1.25-3.9x from 1279^3 up and 2.4-2.5x on "
-         "decode-like products in jnp.dot's layout"),
+         "18 TF/s) while ours pads only the short rows and runs at 1.25-3.9x from 1279^3 up and 3.1-3.3x on "
+         "decode-like products with an odd K in jnp.dot's layout; not where the padding copies a weight "
+         "that outweighs the product (an odd vocabulary over up to 128 tokens: 0.33-0.54x)"),
     Rule("wide-aligned", _wide_aligned_win, "kernel",
          "aligned, M and N >= 16384, K >= 4096, jnp.dot's layout: our default kernel 0.999-1.029x cuBLASLt by "
          "kernel time (geometric mean ~1.014 over 12 measurements in 4 processes), 0.998-1.030x sustained; "

@@ -53,6 +53,30 @@ def test_auto_runs_our_kernel_only_where_a_rule_measured_it_faster(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype):
+    # An odd N in jnp.dot's layout leaves B's rows unaligned: the padding copies the weight
+    # (read + write), about twice the product's own HBM time at small M. Measured (session
+    # of 2026-12-04 14:23): 0.33-0.54x up to 128 rows, 1.06x at 256, 1.13-1.80x from 384.
+    with jax_hopper.dispatch("auto"):
+        for m, n, k in [(1, 50257, 768), (16, 50257, 1600), (64, 50257, 4096), (16, 32001, 4096),
+                        (128, 50257, 4096), (256, 50257, 4096)]:
+            assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("xla", "default"), (m, n, k)
+        assert _custom_calls(16, 50257, 4096, dtype) == []
+        for m, n, k in [(384, 50257, 4096), (1024, 50257, 4096), (16, 14336, 4095), (256, 8192, 8191)]:
+            assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
+    # The copy's bytes: only the unaligned operand, at its padded length, read and written.
+    p = _dispatch.problem_of((16, 4096), (4096, 50257), dtype, dtype, False, False)
+    assert p.padding_copy_us == pytest.approx(1e6 * 2 * 4096 * 50264 * 2 / _dispatch.H200_PEAK_BYTES_PER_S)
+    aligned = _dispatch.problem_of((16, 4096), (4096, 50304), dtype, dtype, False, False)
+    assert aligned.padding_copy_us == 0.0
+    batched_tn = _dispatch.Problem(3, 64, 512, 1001, 2, 2, True, False)  # A stored [K, M], B [K, N]
+    assert batched_tn.padding_copy_us == 0.0  # A's rows (M = 64) and B's (N = 512) are aligned; K is outer in both
+    batched_nt = _dispatch.Problem(3, 64, 512, 1001, 2, 2, False, True)  # both K-major, K = 1001 rows padded
+    assert batched_nt.padding_copy_us == pytest.approx(1e6 * 2 * 3 * (64 + 512) * 1008 * 2 /
+                                                      _dispatch.H200_PEAK_BYTES_PER_S)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_wide_aligned_products_run_our_kernel_only_as_measured(dtype):
     # M and N both >= 16384, K >= 4096, jnp.dot's layout: our kernel ran 0.999-1.029x
     # cuBLASLt there (_dispatch.WIDE_MIN_MN); with only one of them that large it tied.
