@@ -160,13 +160,26 @@ MIN_UNALIGNED_KERNEL_US = 4.0
 # product's roofline time. Where B's stored rows are unaligned (jnp.dot's B [K, N] with N
 # not a multiple of 8: an odd vocabulary such as GPT-2's 50257), the padding copies the
 # whole weight, twice the HBM traffic of the product itself at small M. Measured at
-# 1e33a4a (f16, L2 cold; BENCHMARKS.md, session of 2026-12-04 14:23): copy / roofline
+# 1e33a4a and 72c3b75 (L2 cold; BENCHMARKS.md, session of 2026-12-04 14:23): copy / roofline
 # about 2 lost to jnp.dot at every M up to 128 (1, 16, 64 x 50257 x 768 / 1600 / 4096,
-# 16x32001x4096, 128x50257x4096: 0.33-0.54x), 1.61 won by a little (256x50257x4096,
-# 1.06x), 1.07 and below won (384, 512, 1024 x 50257 x 4096: 1.13, 1.45, 1.80x; odd K,
-# where only A is copied: 0.00-0.05, 16-256 x 8192 x 8191 and 16 x 4096 / 14336 x 4095,
-# 1.9-3.3x; squares 1279^3 and 1535^3: 0.64 and 0.54, 1.9 and 2.7x).
+# 16x32001x4096, 128x50257x4096: 0.33-0.54x; f16 and bf16), 1.61 won (256x50257x4096,
+# 1.06-1.12x in two processes: left to XLA, as our time there is flat in M and XLA's grows
+# with it, so the crossing lies somewhere between 128 and 256 rows), 1.07 and below won
+# (384, 512, 1024 x 50257 x 4096: 1.13-1.16, 1.45, 1.80x; odd K, where only A is copied:
+# 0.00-0.05, 16-256 x 8192 x 8191 and 16 x 4096 / 14336 x 4095, 1.9-3.3x; squares 1279^3
+# and 1535^3: 0.64 and 0.54, 1.9 and 2.7x).
 PADDING_COPY_MAX_SHARE = 1.25
+
+# Past decode-sized M the default kernel runs one CTA per 128x256 output tile and splits
+# no K loop, so where M holds one or two tile rows a product with few tiles streams B
+# through few SMs. Measured at 72c3b75 (f16, L2 cold; odd K, session of 2026-12-04
+# 14:23): 16 tiles lost (128 x 4096 x 4095 / 14335, 96x4096x8191: 0.83-0.91x), so did
+# 32 (256x4096x4095: 0.92-0.93x); 24 and 32 won elsewhere (128x6144x4095 1.24x, 65-128 x
+# 8192 x 8191 1.53-1.58x), 56 and 64 won (128x14336x4095 1.78x, 192 and 256 x 8192 x 8191
+# 1.79-1.89x). Those in jnp.dot's layout up to SMALL_M_UNALIGNED_MAX_ROWS run the small-M
+# kind instead (kernel_for); the rest need this many tiles.
+MIN_UNALIGNED_TILES_FEW_ROWS = 64
+DEFAULT_TILE_M, DEFAULT_TILE_N = 128, 256
 
 
 def _unaligned_rows_win(p: Problem) -> bool:
@@ -174,12 +187,18 @@ def _unaligned_rows_win(p: Problem) -> bool:
     the product. At decode-sized M only where the small-M kind runs (jnp.dot's layout,
     unbatched): with an odd K it reads the weight in place and is HBM-bound (16 and 64 x
     8192 x 8191, 28 us of HBM time: 3.1-3.3x); with an odd N, or a K-major weight (x @
-    W.T) with an odd K, the padding copies the weight whole and it loses."""
+    W.T) with an odd K, the padding copies the weight whole and it loses. With an odd K
+    and up to 128 rows, the small-M kind too (kernel_for); the default kernel, where M
+    holds one or two of its tile rows, only with enough tiles to spread B over the SMs."""
     if p.rows_aligned or p.padding_copy_us > PADDING_COPY_MAX_SHARE * p.roofline_us:
         return False
+    if kernel_for(p) == SMALL_M_KERNEL:
+        return p.roofline_us >= MIN_UNALIGNED_KERNEL_US
     if p.m <= SMALL_M_MAX_ROWS:
-        return kernel_for(p) == SMALL_M_KERNEL and p.roofline_us >= MIN_UNALIGNED_KERNEL_US
-    return p.compute_us >= MIN_UNALIGNED_KERNEL_US
+        return False  # decode-sized, batched or transposed: the weight copied whole, never measured
+    tiles = max(p.batch, 1) * math.ceil(p.m / DEFAULT_TILE_M) * math.ceil(p.n / DEFAULT_TILE_N)
+    few_rows = p.m <= 2 * DEFAULT_TILE_M
+    return p.compute_us >= MIN_UNALIGNED_KERNEL_US and (tiles >= MIN_UNALIGNED_TILES_FEW_ROWS or not few_rows)
 
 
 # Aligned products with M and N both >= WIDE_MIN_MN (and K >= WIDE_MIN_K): there our
@@ -479,12 +498,21 @@ def _runnable(path: str, rule: str) -> tuple[str, str]:
 # columns, session of 04:36), so "auto" keeps them on XLA; this picks the kind once our
 # kernel is asked for.
 SMALL_M_MAX_ROWS = 64
+# ... and up to this many rows where only A's rows are padded (an odd K: B read in place,
+# A copied): 96 and 128 rows x 4096 / 6144 / 8192 x 4095 / 8191 / 14335 ran 2.07-2.48x
+# jnp.dot by kernel time (1.12-2.33x sustained) against the default kernel's 0.83-1.55x
+# (f16, L2 cold; session of 2026-12-04 14:23). At 256 rows (4 tile rows of 64) it won too,
+# 1.60 / 2.01x (x 4096 x 4095, x 8192 x 8191), but no test covers the kind past 128 rows.
+SMALL_M_UNALIGNED_MAX_ROWS = 128
 
 
 def kernel_for(p: Problem) -> str:
     """The kernel kind that runs `p` on our kernel (f32 accumulation)."""
-    if p.m <= SMALL_M_MAX_ROWS and p.batch <= 1 and not (p.transpose_a or p.transpose_b):
-        return SMALL_M_KERNEL
+    if p.batch <= 1 and not (p.transpose_a or p.transpose_b):
+        a_row, b_row = p.operand_rows
+        only_a_padded = a_row % TMA_ROW_MULTIPLE != 0 and b_row % TMA_ROW_MULTIPLE == 0
+        if p.m <= SMALL_M_MAX_ROWS or (p.m <= SMALL_M_UNALIGNED_MAX_ROWS and only_a_padded):
+            return SMALL_M_KERNEL
     return DEFAULT_KERNEL
 
 

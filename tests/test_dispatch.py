@@ -64,6 +64,22 @@ def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype
         assert _custom_calls(16, 50257, 4096, dtype) == []
         for m, n, k in [(384, 50257, 4096), (1024, 50257, 4096), (16, 14336, 4095), (256, 8192, 8191)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
+        # An odd K (only A padded) over up to 128 rows: the small-M kind (2.07-2.48x, where
+        # the default kernel ran 0.83-1.55x). Past that, the default kernel with one or two
+        # tile rows needs 64 of its 128x256 tiles: 32 lost (256x4096x4095, 0.92x), 64 won.
+        for m, n, k in [(128, 4096, 4095), (128, 4096, 14335), (96, 4096, 8191), (65, 8192, 8191)]:
+            assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
+            assert _dispatch.kernel_for(_dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)) == "small_m"
+        for m, n, k in [(256, 4096, 4095), (129, 4096, 4095)]:
+            assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("xla", "default"), (m, n, k)
+        for m, n, k in [(192, 8192, 8191), (256, 8192, 8191), (1024, 4096, 4095)]:
+            assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
+            assert _dispatch.kernel_for(_dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)) == "persistent"
+        # Both rows odd at 128: B would be copied (the default kernel's case): XLA.
+        assert jax_hopper.dispatch_path(*_structs(128, 8191, 8191, dtype), NN) == ("xla", "default")
+        # Aligned products keep the kinds they had (policy "kernel": small-M only up to 64 rows).
+        assert _dispatch.kernel_for(_dispatch.problem_of((128, 4096), (4096, 4096), dtype, dtype, False, False)) == \
+            "persistent"
     # The copy's bytes: only the unaligned operand, at its padded length, read and written.
     p = _dispatch.problem_of((16, 4096), (4096, 50257), dtype, dtype, False, False)
     assert p.padding_copy_us == pytest.approx(1e6 * 2 * 4096 * 50264 * 2 / _dispatch.H200_PEAK_BYTES_PER_S)
