@@ -24,6 +24,11 @@ def _structs(m, n, k, dtype=jnp.float16):
     return jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype)
 
 
+def _kind_of(m, n, k, dtype=jnp.float16):
+    """The kind our kernel would run jnp.dot's (m, k) @ (k, n) with."""
+    return _dispatch.kernel_for(_dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False))
+
+
 def _custom_calls(m, n, k, dtype=jnp.float16):
     a, b = _structs(m, n, k, dtype)
     # A fresh function each time: jit caches a trace (and the path chosen in it) per function.
@@ -69,17 +74,16 @@ def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype
         # tile rows needs 64 of its 128x256 tiles: 32 lost (256x4096x4095, 0.92x), 64 won.
         for m, n, k in [(128, 4096, 4095), (128, 4096, 14335), (96, 4096, 8191), (65, 8192, 8191)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
-            assert _dispatch.kernel_for(_dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)) == "small_m"
+            assert _kind_of(m, n, k, dtype) == "small_m", (m, n, k)
         for m, n, k in [(256, 4096, 4095), (129, 4096, 4095)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("xla", "default"), (m, n, k)
         for m, n, k in [(192, 8192, 8191), (256, 8192, 8191), (1024, 4096, 4095)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
-            assert _dispatch.kernel_for(_dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)) == "persistent"
+            assert _kind_of(m, n, k, dtype) == "persistent", (m, n, k)
         # Both rows odd at 128: B would be copied (the default kernel's case): XLA.
         assert jax_hopper.dispatch_path(*_structs(128, 8191, 8191, dtype), NN) == ("xla", "default")
         # Aligned products keep the kinds they had (policy "kernel": small-M only up to 64 rows).
-        assert _dispatch.kernel_for(_dispatch.problem_of((128, 4096), (4096, 4096), dtype, dtype, False, False)) == \
-            "persistent"
+        assert _kind_of(128, 4096, 4096, dtype) == "persistent"
     # The copy's bytes: only the unaligned operand, at its padded length, read and written.
     p = _dispatch.problem_of((16, 4096), (4096, 50257), dtype, dtype, False, False)
     assert p.padding_copy_us == pytest.approx(1e6 * 2 * 4096 * 50264 * 2 / _dispatch.H200_PEAK_BYTES_PER_S)
