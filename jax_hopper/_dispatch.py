@@ -142,6 +142,9 @@ class Rule:
     # Whether the rule also picks the path of a fused dense layer (choose_dense): False
     # where only the plain product was measured, whose epilogue the fused kind changes.
     fused_too: bool = True
+    # The test for a fused dense layer's product, where it differs from `applies` (the
+    # fused kinds are the default kernel's 128x256 tiles whatever kernel_for picks).
+    applies_fused: Callable[[Problem], bool] | None = None
 
 
 # Unaligned products below this many microseconds (of compute, or of HBM traffic for
@@ -182,20 +185,21 @@ MIN_UNALIGNED_TILES_FEW_ROWS = 64
 DEFAULT_TILE_M, DEFAULT_TILE_N = 128, 256
 
 
-def _unaligned_rows_win(p: Problem) -> bool:
+def _unaligned_rows_win(p: Problem, kind: str | None = None) -> bool:
     """Rows TMA cannot describe, enough work, and padding copies that do not outweigh
     the product. At decode-sized M only where the small-M kind runs (jnp.dot's layout,
     unbatched): with an odd K it reads the weight in place and is HBM-bound (16 and 64 x
     8192 x 8191, 28 us of HBM time: 3.1-3.3x); with an odd N, or a K-major weight (x @
-    W.T) with an odd K, the padding copies the weight whole and it loses. With an odd K
-    and up to 128 rows, the small-M kind too (kernel_for); the default kernel, where M
-    holds one or two of its tile rows, only with enough tiles to spread B over the SMs."""
+    W.T) with an odd K, the padding would copy the weight whole (the copy bound leaves it
+    to XLA). With an odd K and up to 128 rows, the small-M kind too (kernel_for); the
+    default kernel, where M holds one or two of its tile rows, only with enough tiles to
+    spread B over the SMs. `kind`: the kind that would run it (default: kernel_for's)."""
     if p.rows_aligned or p.padding_copy_us > PADDING_COPY_MAX_SHARE * p.roofline_us:
         return False
-    if kernel_for(p) == SMALL_M_KERNEL:
+    if (kernel_for(p) if kind is None else kind) == SMALL_M_KERNEL:
         return p.roofline_us >= MIN_UNALIGNED_KERNEL_US
     if p.m <= SMALL_M_MAX_ROWS:
-        return False  # decode-sized, batched or transposed: the weight copied whole, never measured
+        return False  # decode-sized on another kind (batched, transposed, fused): never measured
     tiles = max(p.batch, 1) * math.ceil(p.m / DEFAULT_TILE_M) * math.ceil(p.n / DEFAULT_TILE_N)
     few_rows = p.m <= 2 * DEFAULT_TILE_M
     return p.compute_us >= MIN_UNALIGNED_KERNEL_US and (tiles >= MIN_UNALIGNED_TILES_FEW_ROWS or not few_rows)
@@ -229,9 +233,10 @@ def _wide_aligned_win(p: Problem) -> bool:
 RULES: tuple[Rule, ...] = (
     Rule("unaligned-rows", _unaligned_rows_win, "kernel",
          "rows not 16-byte aligned: cuBLASLt falls to its slow kernels (8191^3 f16: 163 TF/s, 16x8192x8191: "
-         "18 TF/s) while ours pads only the short rows and runs at 1.25-3.9x from 1279^3 up and 3.1-3.3x on "
+         "18 TF/s) while ours pads only the short rows and runs at 1.25-3.9x from 1279^3 up and 2.3-3.3x on "
          "decode-like products with an odd K in jnp.dot's layout; not where the padding copies a weight "
-         "that outweighs the product (an odd vocabulary over up to 128 tokens: 0.33-0.54x)"),
+         "that outweighs the product (an odd vocabulary over up to 128 tokens: 0.33-0.54x)",
+         applies_fused=lambda p: _unaligned_rows_win(p, DEFAULT_KERNEL)),
     Rule("wide-aligned", _wide_aligned_win, "kernel",
          "aligned, M and N >= 16384, K >= 4096, jnp.dot's layout: our default kernel 0.999-1.029x cuBLASLt by "
          "kernel time (geometric mean ~1.014 over 12 measurements in 4 processes), 0.998-1.030x sustained; "
@@ -466,7 +471,8 @@ def choose(problem: Problem, policy: str | None = None, fused: bool = False) -> 
     if policy != "auto":
         return policy, f"policy={policy}"
     for rule in RULES:
-        if (rule.fused_too or not fused) and rule.applies(problem):
+        applies = rule.applies_fused if fused and rule.applies_fused is not None else rule.applies
+        if (rule.fused_too or not fused) and applies(problem):
             return _runnable(rule.path, rule.name)
     raise AssertionError("the rule table ends with a catch-all")
 
@@ -500,9 +506,12 @@ def _runnable(path: str, rule: str) -> tuple[str, str]:
 SMALL_M_MAX_ROWS = 64
 # ... and up to this many rows where only A's rows are padded (an odd K: B read in place,
 # A copied): 96 and 128 rows x 4096 / 6144 / 8192 x 4095 / 8191 / 14335 ran 2.07-2.48x
-# jnp.dot by kernel time (1.12-2.33x sustained) against the default kernel's 0.83-1.55x
-# (f16, L2 cold; session of 2026-12-04 14:23). At 256 rows (4 tile rows of 64) it won too,
-# 1.60 / 2.01x (x 4096 x 4095, x 8192 x 8191), but no test covers the kind past 128 rows.
+# jnp.dot by kernel time (1.12-2.33x sustained) against the default kernel's 0.83-1.58x
+# (0.86-1.54x sustained, ahead of it at two of the five; f16, L2 cold; session of
+# 2026-12-04 14:23). Not measured on it: wider N, where its 64x128 tiles leave K less
+# split or unsplit (128x14336x4095: 224 tiles, one piece each; 1.78x on the default
+# kernel). At 256 rows (4 tile rows of 64) it won too, 1.60 / 2.01x (x 4096 x 4095, x
+# 8192 x 8191), but its tests stop at 128 rows.
 SMALL_M_UNALIGNED_MAX_ROWS = 128
 
 

@@ -61,7 +61,7 @@ def test_auto_runs_our_kernel_only_where_a_rule_measured_it_faster(dtype):
 def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype):
     # An odd N in jnp.dot's layout leaves B's rows unaligned: the padding copies the weight
     # (read + write), about twice the product's own HBM time at small M. Measured (session
-    # of 2026-12-04 14:23): 0.33-0.54x up to 128 rows, 1.06x at 256, 1.13-1.80x from 384.
+    # of 2026-12-04 14:23): 0.33-0.54x up to 128 rows, 1.06-1.12x at 256, 1.13-1.80x from 384.
     with jax_hopper.dispatch("auto"):
         for m, n, k in [(1, 50257, 768), (16, 50257, 1600), (64, 50257, 4096), (16, 32001, 4096),
                         (128, 50257, 4096), (256, 50257, 4096)]:
@@ -70,7 +70,7 @@ def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype
         for m, n, k in [(384, 50257, 4096), (1024, 50257, 4096), (16, 14336, 4095), (256, 8192, 8191)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
         # An odd K (only A padded) over up to 128 rows: the small-M kind (2.07-2.48x, where
-        # the default kernel ran 0.83-1.55x). Past that, the default kernel with one or two
+        # the default kernel ran 0.83-1.58x). Past that, the default kernel with one or two
         # tile rows needs 64 of its 128x256 tiles: 32 lost (256x4096x4095, 0.92x), 64 won.
         for m, n, k in [(128, 4096, 4095), (128, 4096, 14335), (96, 4096, 8191), (65, 8192, 8191)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
@@ -214,8 +214,14 @@ def test_fused_activation_rule_covers_only_what_was_measured(dtype):
         assert choose(_dense_problem(8192, 4096, 2048, dtype), "gelu_exact") == ("xla", "default")  # N small
         for act in ("gelu_tanh", "silu"):
             assert choose(_dense_problem(2048, 4096, 16384, dtype), act) == ("xla", "default")  # M small
-        # The plain table still applies (unaligned rows: the kernel, for any activation).
+        # The plain table still applies (unaligned rows: the kernel, for any activation) ...
         assert choose(_dense_problem(8191, 4096, 8191, dtype), "relu") == ("kernel", "unaligned-rows")
+        # ... for the fused kinds' 128x256 tiles, though, whatever kind the plain product
+        # would run: 128 rows x 16 tiles is the class the default kernel lost (0.91x).
+        odd_k = _dense_problem(128, 4095, 4096, dtype)
+        assert _dispatch.choose(odd_k) == ("kernel", "unaligned-rows")  # the plain product: split-K kind
+        assert choose(odd_k, "relu") == ("xla", "default")
+        assert choose(odd_k, "gelu_exact") == ("xla", "default")
     with jax_hopper.dispatch("xla"):
         assert _dispatch.choose_dense(k4096, "gelu_exact") == ("xla", "policy=xla")
 
