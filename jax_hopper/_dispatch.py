@@ -37,7 +37,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jax_hopper import _ffi
-from jax_hopper._primitive import DEFAULT_KERNEL, SMALL_M_KERNEL, TMA_ROW_MULTIPLE
+from jax_hopper._primitive import DEFAULT_KERNEL, SMALL_M_KERNEL, TMA_ROW_MULTIPLE, _round_up
 
 POLICIES = ("auto", "kernel", "xla")
 _ENV = "JAX_HOPPER_DISPATCH"
@@ -120,7 +120,7 @@ class Problem:
         b = max(self.batch, 1)
         a_row, b_row = self.operand_rows
         a_rows, b_rows = (self.k if self.transpose_a else self.m), (self.n if self.transpose_b else self.k)
-        moved = sum(2 * b * outer * -(-row // TMA_ROW_MULTIPLE) * TMA_ROW_MULTIPLE * self.itemsize
+        moved = sum(2 * b * outer * _round_up(row, TMA_ROW_MULTIPLE) * self.itemsize
                     for row, outer in ((a_row, a_rows), (b_row, b_rows)) if row % TMA_ROW_MULTIPLE)
         return 1e6 * moved / H200_PEAK_BYTES_PER_S
 
