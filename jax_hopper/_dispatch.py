@@ -179,8 +179,9 @@ PADDING_COPY_MAX_SHARE = 1.25
 # 14:23): 16 tiles lost (128 x 4096 x 4095 / 14335, 96x4096x8191: 0.83-0.91x), so did
 # 32 (256x4096x4095: 0.92-0.93x); 24 and 32 won elsewhere (128x6144x4095 1.24x, 65-128 x
 # 8192 x 8191 1.53-1.58x), 56 and 64 won (128x14336x4095 1.78x, 192 and 256 x 8192 x 8191
-# 1.79-1.89x). Those in jnp.dot's layout up to SMALL_M_UNALIGNED_MAX_ROWS run the small-M
-# kind instead (kernel_for); the rest need this many tiles.
+# 1.79-1.89x; since the session of 16:21 also 48, 256x6144x6143, 1.28x). Those in
+# jnp.dot's layout up to SMALL_M_UNALIGNED_MAX_ROWS whose small-M tiles fit one wave run
+# the small-M kind instead (kernel_for); the rest need this many tiles.
 MIN_UNALIGNED_TILES_FEW_ROWS = 64
 DEFAULT_TILE_M, DEFAULT_TILE_N = 128, 256
 
@@ -191,9 +192,9 @@ def _unaligned_rows_win(p: Problem, kind: str | None = None) -> bool:
     unbatched): with an odd K it reads the weight in place and is HBM-bound (16 and 64 x
     8192 x 8191, 28 us of HBM time: 3.1-3.3x); with an odd N, or a K-major weight (x @
     W.T) with an odd K, the padding would copy the weight whole (the copy bound leaves it
-    to XLA). With an odd K and up to 128 rows, the small-M kind too (kernel_for); the
-    default kernel, where M holds one or two of its tile rows, only with enough tiles to
-    spread B over the SMs. `kind`: the kind that would run it (default: kernel_for's)."""
+    to XLA). With an odd K and up to 256 rows in one wave of its tiles, the small-M kind
+    too (kernel_for); the default kernel, where M holds one or two of its tile rows, only
+    with enough tiles to spread B over the SMs. `kind`: the kind that would run it (default: kernel_for's)."""
     if p.rows_aligned or p.padding_copy_us > PADDING_COPY_MAX_SHARE * p.roofline_us:
         return False
     if (kernel_for(p) if kind is None else kind) == SMALL_M_KERNEL:
@@ -505,22 +506,31 @@ def _runnable(path: str, rule: str) -> tuple[str, str]:
 # kernel is asked for.
 SMALL_M_MAX_ROWS = 64
 # ... and up to this many rows where only A's rows are padded (an odd K: B read in place,
-# A copied): 96 and 128 rows x 4096 / 6144 / 8192 x 4095 / 8191 / 14335 ran 2.07-2.48x
-# jnp.dot by kernel time (1.12-2.33x sustained) against the default kernel's 0.83-1.58x
-# (0.86-1.54x sustained, ahead of it at two of the five; f16, L2 cold; session of
-# 2026-12-04 14:23). Not measured on it: wider N, where its 64x128 tiles leave K less
-# split or unsplit (128x14336x4095: 224 tiles, one piece each; 1.78x on the default
-# kernel). At 256 rows (4 tile rows of 64) it won too, 1.60 / 2.01x (x 4096 x 4095, x
-# 8192 x 8191), but its tests stop at 128 rows.
-SMALL_M_UNALIGNED_MAX_ROWS = 128
+# A copied), as long as its 64x128 tiles fit in one wave of its CTAs (two per SM: 264 on
+# the H200), past which a tile's K range is no longer split and each tile row reads B
+# again. Measured against the default kernel (f16, L2 cold, jnp.dot's layout; sessions of
+# 2026-12-04 14:23 and 16:21), small-M / default kernel, x jnp.dot, by its tiles:
+#   96-128 rows x 4096 / 6144 / 8192 x 4095 / 8191 / 14335 (64-128 tiles): 2.07-2.48 / 0.83-1.58;
+#   256x4096x4095 (128): 1.61 / 0.92;  192x8192x8191, 256x6144x6143 (192): 2.17 / 1.79, 1.62 / 1.28;
+#   128x14336x4095 (224): 1.89 / 1.79;  192x10240x4095 (240): 1.92 / 1.66;  256x8192x8191 (256): 1.94 / 1.88;
+#   past one wave the default kernel: 256x10240x4095 (320) 1.44 / 2.45, 160x16384x4095 (384)
+#   1.41 / 2.44, 256x14336x4095 (448) 1.79 / 2.75; a tie at 128x28672x4095 (448): 1.51 / 1.48.
+# (The default kernel there has 64 or more 128x256 tiles, so it passes the tile bound of
+# _unaligned_rows_win.) Wider rows are not measured on the small-M kind.
+SMALL_M_UNALIGNED_MAX_ROWS = 256
+SMALL_M_UNALIGNED_MAX_TILES = 256
+SMALL_M_TILE_M, SMALL_M_TILE_N = 64, 128  # the small-M kind's tile (cuda/gemm/config.cuh)
 
 
 def kernel_for(p: Problem) -> str:
     """The kernel kind that runs `p` on our kernel (f32 accumulation)."""
     if p.batch <= 1 and not (p.transpose_a or p.transpose_b):
+        if p.m <= SMALL_M_MAX_ROWS:
+            return SMALL_M_KERNEL
         a_row, b_row = p.operand_rows
         only_a_padded = a_row % TMA_ROW_MULTIPLE != 0 and b_row % TMA_ROW_MULTIPLE == 0
-        if p.m <= SMALL_M_MAX_ROWS or (p.m <= SMALL_M_UNALIGNED_MAX_ROWS and only_a_padded):
+        small_m_tiles = math.ceil(p.m / SMALL_M_TILE_M) * math.ceil(p.n / SMALL_M_TILE_N)
+        if only_a_padded and p.m <= SMALL_M_UNALIGNED_MAX_ROWS and small_m_tiles <= SMALL_M_UNALIGNED_MAX_TILES:
             return SMALL_M_KERNEL
     return DEFAULT_KERNEL
 

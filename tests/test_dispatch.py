@@ -69,17 +69,25 @@ def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype
         assert _custom_calls(16, 50257, 4096, dtype) == []
         for m, n, k in [(384, 50257, 4096), (1024, 50257, 4096), (16, 14336, 4095), (256, 8192, 8191)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
-        # An odd K (only A padded) over up to 128 rows: the small-M kind (2.07-2.48x, where
-        # the default kernel ran 0.83-1.58x). Past that, the default kernel with one or two
-        # tile rows needs 64 of its 128x256 tiles: 32 lost (256x4096x4095, 0.92x), 64 won.
-        for m, n, k in [(128, 4096, 4095), (128, 4096, 14335), (96, 4096, 8191), (65, 8192, 8191)]:
+        # An odd K (only A padded) over up to 256 rows, while the small-M kind's 64x128 tiles
+        # fit one wave (256 of them): that kind (1.61-2.48x, where the default kernel ran
+        # 0.83-1.88x; 129-256 rows since the session of 2026-12-04 16:21).
+        for m, n, k in [(128, 4096, 4095), (128, 4096, 14335), (96, 4096, 8191), (65, 8192, 8191),
+                        (129, 4096, 4095), (256, 4096, 4095), (192, 8192, 8191), (256, 8192, 8191),
+                        (128, 14336, 4095), (192, 10240, 4095), (256, 6144, 6143)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
             assert _kind_of(m, n, k, dtype) == "small_m", (m, n, k)
-        for m, n, k in [(256, 4096, 4095), (129, 4096, 4095)]:
-            assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("xla", "default"), (m, n, k)
-        for m, n, k in [(192, 8192, 8191), (256, 8192, 8191), (1024, 4096, 4095)]:
+        # Past one wave of them the default kernel (256x10240x4095 2.45x against 1.44x,
+        # 160x16384x4095 2.44 / 1.41, 256x14336x4095 2.75 / 1.79; 128x28672x4095 a tie);
+        # with one or two tile rows it needs 64 of its 128x256 tiles, which these have.
+        for m, n, k in [(256, 10240, 4095), (160, 16384, 4095), (256, 14336, 4095), (128, 28672, 4095),
+                        (1024, 4096, 4095), (257, 4096, 4095)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
             assert _kind_of(m, n, k, dtype) == "persistent", (m, n, k)
+        # Where the small-M kind is not compiled (here A stored [K, M], M = 255 odd), the
+        # default kernel with 32 tiles: the class that lost (256x4096x4095, 0.92x).
+        x_t, w = jax.ShapeDtypeStruct((4096, 255), dtype), jax.ShapeDtypeStruct((4096, 4096), dtype)
+        assert jax_hopper.dispatch_path(x_t, w, (((0,), (0,)), ((), ()))) == ("xla", "default")
         # Both rows odd at 128: B would be copied (the default kernel's case): XLA.
         assert jax_hopper.dispatch_path(*_structs(128, 8191, 8191, dtype), NN) == ("xla", "default")
         # Aligned products keep the kinds they had (policy "kernel": small-M only up to 64 rows).
