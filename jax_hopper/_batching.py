@@ -32,7 +32,7 @@ from jax_hopper._fallback import (
     row_sum,
 )
 from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p
-from jax_hopper._primitive import PRODUCT_NAME, SMALL_M_KERNEL, gemm_p, stages_of
+from jax_hopper._primitive import DEFAULT_KERNEL, PRODUCT_NAME, SMALL_M_KERNEL, XLA_KERNEL, gemm_p, stages_of
 from jax_hopper._sharding import merge_drops_explicit_sharding
 
 NOT_MAPPED = None
@@ -45,13 +45,22 @@ def _to_front(x, dim, size):
 
 
 def _bind(a, b, params):
-    """Binds the batched product. The small-M kind was picked for the unbatched shape
-    (_dispatch.kernel_for): vmap can grow M past it or add a batch dim, so it is picked
-    again for the shape bound here."""
-    if params["kernel"] == SMALL_M_KERNEL:
+    """Binds the batched product. The path and the kind were picked for the unbatched
+    shape, and vmap can grow M or add a batch dim: under "auto" (the policy is read as
+    the primitive is traced, and vmap runs this rule then) the rules are asked again for
+    the shape bound here, so a product they took to our kernel for its own shape goes to
+    XLA's dot where they would not take the batched one (an odd-K product of 100 rows runs
+    the small-M kind; vmapped over per-example weights it is a batched default kernel
+    with a few tiles per example, the class that lost). The small-M kind is picked again
+    (_dispatch.kernel_for) under any policy."""
+    kernel = params["kernel"]
+    if kernel in (DEFAULT_KERNEL, SMALL_M_KERNEL):
         problem = _dispatch.problem_of(a.shape, b.shape, a.dtype, params["out_dtype"], params["transpose_a"],
                                        params["transpose_b"])
-        kernel = _dispatch.kernel_for(problem)
+        if _dispatch.current_policy() == "auto" and _dispatch.choose(problem)[0] == "xla":
+            kernel = XLA_KERNEL
+        elif kernel == SMALL_M_KERNEL:
+            kernel = _dispatch.kernel_for(problem)
         params = dict(params, kernel=kernel, stages=stages_of(kernel))
     return gemm_p.bind(a, b, **params)
 

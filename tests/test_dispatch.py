@@ -336,3 +336,31 @@ def test_vmap_of_a_decode_product_picks_the_kind_again_for_the_batched_shape():
         # vmap over 2 rows of 16: still decode-sized (32 rows), still the small-M kind.
         x2 = jax.ShapeDtypeStruct((2, 16, 8192), jnp.float16)
         assert _kernel_kinds(shared_w, x2, w) == [KERNELS["small_m"]]
+
+
+def test_vmap_under_auto_asks_the_rules_again_for_the_batched_shape():
+    """An odd-K product of 100 rows runs the small-M kind (2.07-2.48x measured at 96-128
+    rows); vmapped over per-example weights it would be a batched default kernel with 16
+    tiles per example, 32 in all (the class that lost, 0.92x): XLA's dot. Vmapped over the
+    activations only, it is one product of 200 rows, which the rules take (the small-M
+    kind). Policy "kernel" still runs ours."""
+    from jax_hopper._primitive import KERNELS
+
+    x, w = _structs(100, 4096, 4095)
+    xs = jax.ShapeDtypeStruct((2, 100, 4095), jnp.float16)
+    ws = jax.ShapeDtypeStruct((2, 4095, 4096), jnp.float16)
+    product = lambda x, w: jax_hopper.matmul(x, w)  # noqa: E731
+    with jax_hopper.dispatch("auto"):
+        assert _kernel_kinds(product, x, w) == [KERNELS["small_m"]]
+        assert _kernel_kinds(jax.vmap(product), xs, ws) == []
+        assert "dot_general" in cuda_text(jax.vmap(product), xs, ws)
+        assert _kernel_kinds(jax.vmap(product, in_axes=(0, None)), xs, w) == [KERNELS["small_m"]]
+        # ... and so does its training step: unbatched the forward product is ours (its
+        # derivatives, x @ W.T-like with an odd K to copy and 100-row ones, are XLA's);
+        # vmapped over per-example weights none is.
+        loss = lambda x, w: jnp.sum(product(x, w).astype(jnp.float32) ** 2)  # noqa: E731
+        grads = jax.grad(loss, argnums=(0, 1))
+        assert _kernel_kinds(grads, x, w) == [KERNELS["small_m"]]
+        assert _kernel_kinds(jax.vmap(grads), xs, ws) == []
+    with jax_hopper.dispatch("kernel"):
+        assert _kernel_kinds(jax.vmap(product), xs, ws) == [KERNELS["persistent"]]
