@@ -174,15 +174,19 @@ MIN_UNALIGNED_KERNEL_US = 4.0
 PADDING_COPY_MAX_SHARE = 1.25
 
 # Past decode-sized M the default kernel runs one CTA per 128x256 output tile and splits
-# no K loop, so where M holds one or two tile rows a product with few tiles streams B
-# through few SMs. Measured at 72c3b75 (f16, L2 cold; odd K, session of 2026-12-04
-# 14:23): 16 tiles lost (128 x 4096 x 4095 / 14335, 96x4096x8191: 0.83-0.91x), so did
-# 32 (256x4096x4095: 0.92-0.93x); 24 and 32 won elsewhere (128x6144x4095 1.24x, 65-128 x
-# 8192 x 8191 1.53-1.58x), 56 and 64 won (128x14336x4095 1.78x, 192 and 256 x 8192 x 8191
-# 1.79-1.89x; since the session of 16:21 also 48, 256x6144x6143, 1.28x). Those in
-# jnp.dot's layout up to SMALL_M_UNALIGNED_MAX_ROWS whose small-M tiles fit one wave run
-# the small-M kind instead (kernel_for); the rest need this many tiles.
-MIN_UNALIGNED_TILES_FEW_ROWS = 64
+# no K loop, so where M holds one or two tile rows (M <= 256) each CTA streams a K x 256
+# block of B at one SM's pace, about 44 us at K = 4095 however many such blocks there are
+# (up to an SM each), while XLA's time there grows with the weight's bytes: what counts is
+# the number of distinct B column blocks, batch x ceil(N / 256), not the tiles (two tile
+# rows share a block). Measured (f16, L2 cold; sessions of 2026-12-04 14:23 and 16:21),
+# odd K, by B blocks: 16 lost (128 x 4096 x 4095 / 14335, 96x4096x8191, 256x4096x4095,
+# 2x100x2048x8191: 0.83-0.93x); 24 won (128x6144x4095 1.25x, 256x6144x6143 1.28x,
+# 2x100x3072x8191 1.23x, 3x200x2048x4095 1.42x); 32 won (65-128 x 8192 x 8191 1.53-1.58x,
+# 2x100x4096x4095 1.64x, 192 and 256 x 8192 x 8191 1.79-1.89x), and 56-64 (128x14336x4095
+# 1.78x, 4x128x4096x4095 1.68x, 2x256x4096x4095 1.76x). Those in jnp.dot's layout up to
+# SMALL_M_UNALIGNED_MAX_ROWS whose small-M tiles fit one wave run the small-M kind instead
+# (kernel_for); the rest need this many blocks.
+MIN_UNALIGNED_B_BLOCKS_FEW_ROWS = 24
 DEFAULT_TILE_M, DEFAULT_TILE_N = 128, 256
 
 
@@ -194,16 +198,17 @@ def _unaligned_rows_win(p: Problem, kind: str | None = None) -> bool:
     W.T) with an odd K, the padding would copy the weight whole (the copy bound leaves it
     to XLA). With an odd K and up to 256 rows in one wave of its tiles, the small-M kind
     too (kernel_for); the default kernel, where M holds one or two of its tile rows, only
-    with enough tiles to spread B over the SMs. `kind`: the kind that would run it (default: kernel_for's)."""
+    with enough blocks of B's columns to spread B over the SMs. `kind`: the kind that
+    would run it (default: kernel_for's)."""
     if p.rows_aligned or p.padding_copy_us > PADDING_COPY_MAX_SHARE * p.roofline_us:
         return False
     if (kernel_for(p) if kind is None else kind) == SMALL_M_KERNEL:
         return p.roofline_us >= MIN_UNALIGNED_KERNEL_US
     if p.m <= SMALL_M_MAX_ROWS:
         return False  # decode-sized on another kind (batched, transposed, fused): never measured
-    tiles = max(p.batch, 1) * math.ceil(p.m / DEFAULT_TILE_M) * math.ceil(p.n / DEFAULT_TILE_N)
+    b_blocks = max(p.batch, 1) * math.ceil(p.n / DEFAULT_TILE_N)
     few_rows = p.m <= 2 * DEFAULT_TILE_M
-    return p.compute_us >= MIN_UNALIGNED_KERNEL_US and (tiles >= MIN_UNALIGNED_TILES_FEW_ROWS or not few_rows)
+    return p.compute_us >= MIN_UNALIGNED_KERNEL_US and (b_blocks >= MIN_UNALIGNED_B_BLOCKS_FEW_ROWS or not few_rows)
 
 
 # Aligned products with M and N both >= WIDE_MIN_MN (and K >= WIDE_MIN_K): there our
@@ -515,8 +520,8 @@ SMALL_M_MAX_ROWS = 64
 #   128x14336x4095 (224): 1.89 / 1.79;  192x10240x4095 (240): 1.92 / 1.66;  256x8192x8191 (256): 1.94 / 1.88;
 #   past one wave the default kernel: 256x10240x4095 (320) 1.44 / 2.45, 160x16384x4095 (384)
 #   1.41 / 2.44, 256x14336x4095 (448) 1.79 / 2.75; a tie at 128x28672x4095 (448): 1.51 / 1.48.
-# (The default kernel there has 64 or more 128x256 tiles, so it passes the tile bound of
-# _unaligned_rows_win.) Wider rows are not measured on the small-M kind.
+# (The default kernel there has over 32 blocks of B's columns, so it passes the bound
+# of _unaligned_rows_win.) Wider rows are not measured on the small-M kind.
 SMALL_M_UNALIGNED_MAX_ROWS = 256
 SMALL_M_UNALIGNED_MAX_TILES = 256
 SMALL_M_TILE_M, SMALL_M_TILE_N = 64, 128  # the small-M kind's tile (cuda/gemm/config.cuh)

@@ -79,15 +79,22 @@ def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype
             assert _kind_of(m, n, k, dtype) == "small_m", (m, n, k)
         # Past one wave of them the default kernel (256x10240x4095 2.45x against 1.44x,
         # 160x16384x4095 2.44 / 1.41, 256x14336x4095 2.75 / 1.79; 128x28672x4095 a tie);
-        # with one or two tile rows it needs 64 of its 128x256 tiles, which these have.
+        # with one or two tile rows it needs 24 blocks of B's columns (N / 256), which these have.
         for m, n, k in [(256, 10240, 4095), (160, 16384, 4095), (256, 14336, 4095), (128, 28672, 4095),
                         (1024, 4096, 4095), (257, 4096, 4095)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
             assert _kind_of(m, n, k, dtype) == "persistent", (m, n, k)
-        # Where the small-M kind is not compiled (here A stored [K, M], M = 255 odd), the
-        # default kernel with 32 tiles: the class that lost (256x4096x4095, 0.92x).
+        # Where the small-M kind is not compiled (here A stored [K, M], M = 255 odd; batched
+        # products), the default kernel with up to 256 rows needs 24 blocks of B's columns
+        # (batch x N / 256): 16 lost (256x4096x4095 0.92x, 2x100x2048x8191 0.91x), 24 won
+        # (2x100x3072x8191 1.23x, 3x200x2048x4095 1.42x), 32 too (2x100x4096x4095 1.64x).
         x_t, w = jax.ShapeDtypeStruct((4096, 255), dtype), jax.ShapeDtypeStruct((4096, 4096), dtype)
         assert jax_hopper.dispatch_path(x_t, w, (((0,), (0,)), ((), ()))) == ("xla", "default")
+        batched_nn = (((2,), (1,)), ((0,), (0,)))
+        for b, m, n, k, path in [(2, 100, 2048, 8191, "xla"), (2, 100, 3072, 8191, "kernel"),
+                                 (3, 200, 2048, 4095, "kernel"), (2, 100, 4096, 4095, "kernel")]:
+            xb, wb = jax.ShapeDtypeStruct((b, m, k), dtype), jax.ShapeDtypeStruct((b, k, n), dtype)
+            assert jax_hopper.dispatch_path(xb, wb, batched_nn)[0] == path, (b, m, n, k)
         # Both rows odd at 128: B would be copied (the default kernel's case): XLA.
         assert jax_hopper.dispatch_path(*_structs(128, 8191, 8191, dtype), NN) == ("xla", "default")
         # Aligned products keep the kinds they had (policy "kernel": small-M only up to 64 rows).
@@ -340,15 +347,15 @@ def test_vmap_of_a_decode_product_picks_the_kind_again_for_the_batched_shape():
 
 def test_vmap_under_auto_asks_the_rules_again_for_the_batched_shape():
     """An odd-K product of 100 rows runs the small-M kind (2.07-2.48x measured at 96-128
-    rows); vmapped over per-example weights it would be a batched default kernel with 16
-    tiles per example, 32 in all (the class that lost, 0.92x): XLA's dot. Vmapped over the
-    activations only, it is one product of 200 rows, which the rules take (the small-M
-    kind). Policy "kernel" still runs ours."""
+    rows); vmapped over two per-example weights of 2048 columns it would be a batched
+    default kernel with 16 blocks of B's columns, which lost (2x100x2048x8191, 0.91x):
+    XLA's dot. Vmapped over the activations only, it is one product of 200 rows, which
+    the rules take (the small-M kind). Policy "kernel" still runs ours."""
     from jax_hopper._primitive import KERNELS
 
-    x, w = _structs(100, 4096, 4095)
-    xs = jax.ShapeDtypeStruct((2, 100, 4095), jnp.float16)
-    ws = jax.ShapeDtypeStruct((2, 4095, 4096), jnp.float16)
+    x, w = _structs(100, 2048, 8191)
+    xs = jax.ShapeDtypeStruct((2, 100, 8191), jnp.float16)
+    ws = jax.ShapeDtypeStruct((2, 8191, 2048), jnp.float16)
     product = lambda x, w: jax_hopper.matmul(x, w)  # noqa: E731
     with jax_hopper.dispatch("auto"):
         assert _kernel_kinds(product, x, w) == [KERNELS["small_m"]]
@@ -362,5 +369,8 @@ def test_vmap_under_auto_asks_the_rules_again_for_the_batched_shape():
         grads = jax.grad(loss, argnums=(0, 1))
         assert _kernel_kinds(grads, x, w) == [KERNELS["small_m"]]
         assert _kernel_kinds(jax.vmap(grads), xs, ws) == []
+        # With 4096 columns per example (32 blocks) the batched product is ours: 1.64x.
+        xs4, ws4 = jax.ShapeDtypeStruct((2, 100, 4095), jnp.float16), jax.ShapeDtypeStruct((2, 4095, 4096), jnp.float16)
+        assert _kernel_kinds(jax.vmap(product), xs4, ws4) == [KERNELS["persistent"]]
     with jax_hopper.dispatch("kernel"):
         assert _kernel_kinds(jax.vmap(product), xs, ws) == [KERNELS["persistent"]]
