@@ -204,16 +204,17 @@ def _in_type_of(y, like):
 def _product(a, b, *, transpose_a=False, transpose_b=False, like=None, out_dtype=None):
     out_dtype = a.dtype if out_dtype is None else out_dtype
     problem = _problem(a, b, transpose_a, transpose_b, out_dtype)
-    if a.dtype == b.dtype and _dispatch.choose(problem)[0] == "kernel":  # (mixed: jax's rule, _gradient)
+    path, rule = _dispatch.choose(problem)
+    if a.dtype == b.dtype and path == "kernel":  # (mixed: jax's rule, _gradient)
         kernel = _dispatch.kernel_for(problem)
         return _in_type_of(gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype,
-                                kernel=kernel), like)
+                                kernel=kernel, rules=_dispatch.picked_by_rules(rule)), like)
     return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype,
                           out_sharding=None if like is None else _sharding_of(like))
 
 
-def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
-    del out_dtype, kernel, stages
+def _transpose_lhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rules=False):
+    del out_dtype, kernel, stages, rules
 
     def product(c, b, out_dtype):
         if transpose_a:
@@ -247,8 +248,8 @@ def _contracting_leading_dims(x, y, *, like, out_dtype=None):
                            out_sharding=_sharding_of(like))
 
 
-def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
-    del out_dtype, kernel, stages
+def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rules=False):
+    del out_dtype, kernel, stages, rules
 
     def product(c, a, out_dtype):
         if a.ndim > _aval(b).ndim:  # A [..., M, K] (not transposed): contract its leading dims and M

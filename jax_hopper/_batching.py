@@ -32,7 +32,8 @@ from jax_hopper._fallback import (
     row_sum,
 )
 from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p
-from jax_hopper._primitive import DEFAULT_KERNEL, PRODUCT_NAME, SMALL_M_KERNEL, XLA_KERNEL, gemm_p, stages_of
+from jax_hopper._primitive import (F16_ACCUMULATION_KERNEL, PRODUCT_NAME, SMALL_M_KERNEL, XLA_KERNEL, gemm_p,
+                                   stages_of)
 from jax_hopper._sharding import merge_drops_explicit_sharding
 
 NOT_MAPPED = None
@@ -45,22 +46,29 @@ def _to_front(x, dim, size):
 
 
 def _bind(a, b, params):
-    """Binds the batched product. The path and the kind were picked for the unbatched
-    shape, and vmap can grow M or add a batch dim: under "auto" (the policy is read as
-    the primitive is traced, and vmap runs this rule then) the rules are asked again for
-    the shape bound here, so a product they took to our kernel for its own shape goes to
-    XLA's dot where they would not take the batched one (an odd-K product of 100 rows runs
-    the small-M kind; vmapped over per-example weights it is a batched default kernel
-    with a few tiles per example, the class that lost). The small-M kind is picked again
-    (_dispatch.kernel_for) under any policy."""
+    """Binds the batched product. Its path and kind were picked for the unbatched shape,
+    and vmap grows M or adds a batch dim. Where the dispatcher's rules picked them
+    (params["rules"]: policy "auto" when the product was traced), the rules are asked
+    again for the shape bound here: a product they took to our kernel for its own shape
+    goes to XLA's dot (the primitive's XLA kind, still marked, so an outer vmap asks
+    again) where they would not take the batched one (an odd-K product of 100 x 2048 x
+    8191 runs the small-M kind; over two per-example weights it would be a batched
+    default kernel on 16 blocks of B's columns, which lost). A kind asked for by policy
+    "kernel" or by name (the internal gemm(kernel=...)) is kept, but for the small-M kind,
+    compiled for one product in jnp.dot's layout: it is picked again (_dispatch.kernel_for)."""
     kernel = params["kernel"]
-    if kernel in (DEFAULT_KERNEL, SMALL_M_KERNEL):
+    rules = params.get("rules", False)
+    if rules or kernel == SMALL_M_KERNEL:
         problem = _dispatch.problem_of(a.shape, b.shape, a.dtype, params["out_dtype"], params["transpose_a"],
                                        params["transpose_b"])
-        if _dispatch.current_policy() == "auto" and _dispatch.choose(problem)[0] == "xla":
-            kernel = XLA_KERNEL
-        elif kernel == SMALL_M_KERNEL:
+        if not rules:
             kernel = _dispatch.kernel_for(problem)
+        elif kernel == F16_ACCUMULATION_KERNEL:
+            path, _, f16 = _dispatch.choose_f16_accumulation(problem, policy="auto")
+            kernel = F16_ACCUMULATION_KERNEL if f16 else XLA_KERNEL if path == "xla" else _dispatch.kernel_for(problem)
+        else:
+            path, _ = _dispatch.choose(problem, policy="auto")
+            kernel = XLA_KERNEL if path == "xla" else _dispatch.kernel_for(problem)
         params = dict(params, kernel=kernel, stages=stages_of(kernel))
     return gemm_p.bind(a, b, **params)
 

@@ -174,20 +174,25 @@ MIN_UNALIGNED_KERNEL_US = 4.0
 PADDING_COPY_MAX_SHARE = 1.25
 
 # Past decode-sized M the default kernel runs one CTA per 128x256 output tile and splits
-# no K loop, so where M holds one or two tile rows (M <= 256) each CTA streams a K x 256
-# block of B at one SM's pace, about 44 us at K = 4095 however many such blocks there are
-# (up to an SM each), while XLA's time there grows with the weight's bytes: what counts is
-# the number of distinct B column blocks, batch x ceil(N / 256), not the tiles (two tile
-# rows share a block). Measured (f16, L2 cold; sessions of 2026-12-04 14:23 and 16:21),
-# odd K, by B blocks: 16 lost (128 x 4096 x 4095 / 14335, 96x4096x8191, 256x4096x4095,
-# 2x100x2048x8191: 0.83-0.93x); 24 won (128x6144x4095 1.25x, 256x6144x6143 1.28x,
-# 2x100x3072x8191 1.23x, 3x200x2048x4095 1.42x); 32 won (65-128 x 8192 x 8191 1.53-1.58x,
-# 2x100x4096x4095 1.64x, 192 and 256 x 8192 x 8191 1.79-1.89x), and 56-64 (128x14336x4095
-# 1.78x, 4x128x4096x4095 1.68x, 2x256x4096x4095 1.76x). Those in jnp.dot's layout up to
-# SMALL_M_UNALIGNED_MAX_ROWS whose small-M tiles fit one wave run the small-M kind instead
-# (kernel_for); the rest need this many blocks.
-MIN_UNALIGNED_B_BLOCKS_FEW_ROWS = 24
-DEFAULT_TILE_M, DEFAULT_TILE_N = 128, 256
+# no K loop. With few tiles (up to one per SM) each CTA streams a K x 256 block of B at one
+# SM's pace, about 44 us at K = 4095 however many tiles, while XLA's slow unaligned kernel
+# takes the larger of streaming the weight (its time in proportion to the weight's
+# bytes) and its arithmetic (in proportion to batch x M x N x K). So the default kernel
+# needs either enough distinct blocks of B's columns, batch x ceil(N / 256) (two tile rows
+# share a block), or enough outputs, batch x M x N. Measured (f16, L2 cold; sessions of
+# 2026-12-04 14:23 and 16:21), odd K, by B blocks: 16 lost (128 x 4096 x 4095 / 14335,
+# 96x4096x8191, 256x4096x4095, 2x100x2048x8191: 0.83-0.93x); 24 won (128x6144x4095 1.25x,
+# 256x6144x6143 1.28x, 2x100x3072x8191 1.23x, 3x200x2048x4095 1.42x); 32 won (65-128 x
+# 8192 x 8191 1.53-1.58x, 2x100x4096x4095 1.64x, 192 and 256 x 8192 x 8191 1.79-1.89x,
+# 2x256x4096x4095 1.76x), and 56-64 (128x14336x4095 1.78x, 4x128x4096x4095 1.68x). By
+# outputs, with fewer blocks: 1279^3 (1.64M outputs, 5 blocks) won 1.89x, 1024x4096x4095
+# (4.2M, 16 blocks) 2.40x, while 256x4096x4095 (1.05M) lost; between 1.05M and 1.64M
+# nothing was measured, so the bound sits at the smallest win. (Past one SM per tile the
+# outputs exceed it anyway.) Those in jnp.dot's layout up to SMALL_M_UNALIGNED_MAX_ROWS
+# whose small-M tiles fit one wave run the small-M kind instead (kernel_for).
+MIN_UNALIGNED_B_BLOCKS = 24
+MIN_UNALIGNED_OUTPUTS = 1279 * 1279
+DEFAULT_TILE_N = 256  # the default kernel's 128x256 tile: its columns
 
 
 def _unaligned_rows_win(p: Problem, kind: str | None = None) -> bool:
@@ -197,9 +202,9 @@ def _unaligned_rows_win(p: Problem, kind: str | None = None) -> bool:
     8192 x 8191, 28 us of HBM time: 3.1-3.3x); with an odd N, or a K-major weight (x @
     W.T) with an odd K, the padding would copy the weight whole (the copy bound leaves it
     to XLA). With an odd K and up to 256 rows in one wave of its tiles, the small-M kind
-    too (kernel_for); the default kernel, where M holds one or two of its tile rows, only
-    with enough blocks of B's columns to spread B over the SMs. `kind`: the kind that
-    would run it (default: kernel_for's)."""
+    too (kernel_for); the default kernel only with enough blocks of B's columns to spread
+    B over the SMs, or enough outputs that XLA's slow kernel is compute-bound. `kind`: the
+    kind that would run it (default: kernel_for's)."""
     if p.rows_aligned or p.padding_copy_us > PADDING_COPY_MAX_SHARE * p.roofline_us:
         return False
     if (kernel_for(p) if kind is None else kind) == SMALL_M_KERNEL:
@@ -207,8 +212,9 @@ def _unaligned_rows_win(p: Problem, kind: str | None = None) -> bool:
     if p.m <= SMALL_M_MAX_ROWS:
         return False  # decode-sized on another kind (batched, transposed, fused): never measured
     b_blocks = max(p.batch, 1) * math.ceil(p.n / DEFAULT_TILE_N)
-    few_rows = p.m <= 2 * DEFAULT_TILE_M
-    return p.compute_us >= MIN_UNALIGNED_KERNEL_US and (b_blocks >= MIN_UNALIGNED_B_BLOCKS_FEW_ROWS or not few_rows)
+    outputs = max(p.batch, 1) * p.m * p.n
+    return p.compute_us >= MIN_UNALIGNED_KERNEL_US and (b_blocks >= MIN_UNALIGNED_B_BLOCKS or
+                                                        outputs >= MIN_UNALIGNED_OUTPUTS)
 
 
 # Aligned products with M and N both >= WIDE_MIN_MN (and K >= WIDE_MIN_K): there our
@@ -483,6 +489,12 @@ def choose(problem: Problem, policy: str | None = None, fused: bool = False) -> 
     raise AssertionError("the rule table ends with a catch-all")
 
 
+def picked_by_rules(rule: str) -> bool:
+    """Whether a path came from the table (policy "auto"; `rule` as choose returns it),
+    not from a policy that forces one."""
+    return not rule.startswith("policy=")
+
+
 def _runnable(path: str, rule: str) -> tuple[str, str]:
     """An "auto" pick, unless it is the kernel and the kernel cannot run here (policy
     "kernel" still forces it: the primitive then computes through XLA, with a warning)."""
@@ -512,8 +524,10 @@ def _runnable(path: str, rule: str) -> tuple[str, str]:
 SMALL_M_MAX_ROWS = 64
 # ... and up to this many rows where only A's rows are padded (an odd K: B read in place,
 # A copied), as long as its 64x128 tiles fit in one wave of its CTAs (two per SM: 264 on
-# the H200), past which a tile's K range is no longer split and each tile row reads B
-# again. Measured against the default kernel (f16, L2 cold, jnp.dot's layout; sessions of
+# the H200): there its tiles, four times as many as the default kernel's, spread B's stream
+# over more SMs (with up to 132 tiles each is also split in K: floor(264 / tiles) pieces;
+# launch.cuh split_k_pieces). Past one wave its tiles run in two or more (K split again
+# by its cost model) and each of its tile rows streams B once more. Measured against the default kernel (f16, L2 cold, jnp.dot's layout; sessions of
 # 2026-12-04 14:23 and 16:21), small-M / default kernel, x jnp.dot, by its tiles:
 #   96-128 rows x 4096 / 6144 / 8192 x 4095 / 8191 / 14335 (64-128 tiles): 2.07-2.48 / 0.83-1.58;
 #   256x4096x4095 (128): 1.61 / 0.92;  192x8192x8191, 256x6144x6143 (192): 2.17 / 1.79, 1.62 / 1.28;

@@ -81,8 +81,8 @@ def _mnk(a_shape, b_shape, transpose_a, transpose_b):
     return m, n, k, k_b
 
 
-def _abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
-    del kernel, stages
+def _abstract_eval(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rules=False):
+    del kernel, stages, rules
     batched = a.ndim == b.ndim >= 3 and a.shape[:-2] == b.shape[:-2]
     if not (batched or (b.ndim == 2 and (a.ndim == 2 or (a.ndim > 2 and not transpose_a)))):
         raise ValueError(f"jax_hopper_gemm takes two 2-D operands, two operands with the same batch dims, or A "
@@ -182,7 +182,8 @@ def _lowering(local_impl):
     ours = sharded_lowering(local_impl, _default_impl)
     xla = mlir.lower_fun(_default_impl, multiple_results=False)
 
-    def rule(ctx, a, b, **params):
+    def rule(ctx, a, b, *, rules=False, **params):
+        del rules  # only vmap reads it (_batching.py)
         return (xla if params["kernel"] == XLA_KERNEL else ours)(ctx, a, b, **params)
 
     return rule
@@ -235,14 +236,16 @@ def _match_varying_axes(*xs):
 
 
 def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, out_dtype=None,
-         kernel: str = DEFAULT_KERNEL, stages: int | None = None):
+         kernel: str = DEFAULT_KERNEL, stages: int | None = None, rules: bool = False):
     """Binds the primitive (operands already validated by the public ops).
 
     `kernel` and `stages` pick a compiled instance (cuda/gemm/instances.def); the V5
     kernel exists for f16/bf16 in jnp.dot's layout only (its 2- and 3-stage depths for
     f16 only), the persistent one in every layout with 4 stages, the f16-accumulating
     one for f16 in every layout with 3. `stages=None` takes the kernel's own depth.
-    XLA_KERNEL lowers to XLA's dot.
+    XLA_KERNEL lowers to XLA's dot. `rules`: the dispatcher's rules picked `kernel` (policy
+    "auto"), so vmap asks them again for the batched shape (_batching.py); a kind asked
+    for by name, or by policy "kernel", is kept.
     """
     if kernel not in KERNELS and kernel != XLA_KERNEL:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)} or {XLA_KERNEL!r}, got {kernel!r}")
@@ -251,4 +254,4 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, out_dtyp
     out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
     a, b = _match_varying_axes(a, b)
     return gemm_p.bind(a, b, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b), out_dtype=out_dtype,
-                       kernel=kernel, stages=int(stages))
+                       kernel=kernel, stages=int(stages), rules=bool(rules))

@@ -250,17 +250,18 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         if _rounds_f32_cotangent(lhs, rhs, out, plan, precision):
             return _xla_product_with_our_derivative(fn, lhs, rhs, plan, out.dtype)
         return fn(lhs, rhs)
-    ours = functools.partial(_bind, plan=plan, out_dtype=out.dtype, kernel=path[2])
+    ours = functools.partial(_bind, plan=plan, out_dtype=out.dtype, kernel=path[2],
+                             rules=_dispatch.picked_by_rules(path[1]))
     return _bilinear(ours, ours, lhs, rhs, name=PRODUCT_NAME)
 
 
-def _bind(lhs, rhs, plan, out_dtype, kernel):
+def _bind(lhs, rhs, plan, out_dtype, kernel, rules=False):
     """The primitive on the planned operands (transposed and reshaped as the plan says)."""
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     a = lhs if plan.lhs_perm is None else jnp.transpose(lhs, plan.lhs_perm)
     b = rhs if plan.rhs_perm is None else jnp.transpose(rhs, plan.rhs_perm)
     c = gemm(a.reshape(plan.lhs_shape), b.reshape(plan.rhs_shape), transpose_a=plan.transpose_a,
-             transpose_b=plan.transpose_b, out_dtype=out_dtype, kernel=kernel)
+             transpose_b=plan.transpose_b, out_dtype=out_dtype, kernel=kernel, rules=rules)
     return c.reshape(plan.out_shape)
 
 

@@ -79,11 +79,16 @@ def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype
             assert _kind_of(m, n, k, dtype) == "small_m", (m, n, k)
         # Past one wave of them the default kernel (256x10240x4095 2.45x against 1.44x,
         # 160x16384x4095 2.44 / 1.41, 256x14336x4095 2.75 / 1.79; 128x28672x4095 a tie);
-        # with one or two tile rows it needs 24 blocks of B's columns (N / 256), which these have.
+        # it needs 24 blocks of B's columns (N / 256), which these have, or 1279^2 outputs
+        # (1024x4096x4095: 16 blocks, 2.40x; 1279^3: 5 blocks, 1.89x).
         for m, n, k in [(256, 10240, 4095), (160, 16384, 4095), (256, 14336, 4095), (128, 28672, 4095),
-                        (1024, 4096, 4095), (257, 4096, 4095)]:
+                        (1024, 4096, 4095), (1279, 1279, 1279)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
             assert _kind_of(m, n, k, dtype) == "persistent", (m, n, k)
+        # Neither, one row past the small-M kind (256x4096x4095, 16 blocks, lost 0.92x on the
+        # default kernel), or with 8 blocks over 300 rows: XLA.
+        for m, n, k in [(257, 4096, 4095), (300, 2048, 8191)]:
+            assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("xla", "default"), (m, n, k)
         # Where the small-M kind is not compiled (here A stored [K, M], M = 255 odd; batched
         # products), the default kernel with up to 256 rows needs 24 blocks of B's columns
         # (batch x N / 256): 16 lost (256x4096x4095 0.92x, 2x100x2048x8191 0.91x), 24 won
@@ -374,3 +379,34 @@ def test_vmap_under_auto_asks_the_rules_again_for_the_batched_shape():
         assert _kernel_kinds(jax.vmap(product), xs4, ws4) == [KERNELS["persistent"]]
     with jax_hopper.dispatch("kernel"):
         assert _kernel_kinds(jax.vmap(product), xs, ws) == [KERNELS["persistent"]]
+
+
+def test_vmap_asks_again_only_what_the_rules_picked():
+    """The mark travels with the traced product, not with the policy when vmap runs: a
+    function jitted under policy "kernel" keeps our kernel when vmapped later under
+    "auto", and a kind asked for by name is kept; nested vmaps ask again at each level;
+    the f16-accumulating kind, picked under "auto" for one product, is asked again too."""
+    from jax_hopper._primitive import KERNELS, gemm
+
+    xs = jax.ShapeDtypeStruct((2, 100, 8191), jnp.float16)
+    ws = jax.ShapeDtypeStruct((2, 8191, 2048), jnp.float16)
+    product = lambda x, w: jax_hopper.matmul(x, w)  # noqa: E731
+    jitted = jax.jit(product)
+    with jax_hopper.dispatch("kernel"):
+        jitted(*[jnp.zeros(s.shape[1:], s.dtype) for s in (xs, ws)])  # traced (and cached) under "kernel"
+    with jax_hopper.dispatch("auto"):
+        assert _kernel_kinds(jax.vmap(jitted), xs, ws) == [KERNELS["persistent"]]
+        by_name = jax.vmap(lambda x, w: gemm(x, w, kernel="persistent"))
+        assert _kernel_kinds(by_name, xs, ws) == [KERNELS["persistent"]]
+        # Nested: 2 examples x 8 blocks lost (XLA); 4 x 8 = 32 blocks is ours again.
+        xss = jax.ShapeDtypeStruct((2,) + xs.shape, jnp.float16)
+        wss = jax.ShapeDtypeStruct((2,) + ws.shape, jnp.float16)
+        assert _kernel_kinds(jax.vmap(jax.vmap(product)), xss, wss) == [KERNELS["persistent"]]
+        # accumulation="f16" is measured ahead on one product only (f16_accumulation_wins).
+        x, w = _structs(8192, 8192, 8192)
+        f16 = lambda x, w: jax_hopper.matmul(x, w, accumulation="f16")  # noqa: E731
+        assert _kernel_kinds(f16, x, w) == [KERNELS["persistent_f16acc"]]
+        x2, w2 = (jax.ShapeDtypeStruct((2,) + s.shape, s.dtype) for s in (x, w))
+        assert _kernel_kinds(jax.vmap(f16), x2, w2) == []
+    with jax_hopper.dispatch("kernel"):
+        assert _kernel_kinds(jax.vmap(f16), x2, w2) == [KERNELS["persistent_f16acc"]]
