@@ -527,8 +527,9 @@ SMALL_M_MAX_ROWS = 64
 # the H200): there its tiles, four times as many as the default kernel's, spread B's stream
 # over more SMs (with up to 132 tiles each is also split in K: floor(264 / tiles) pieces;
 # launch.cuh split_k_pieces). Past one wave its tiles run in two or more (K split again
-# by its cost model) and each of its tile rows streams B once more. Measured against the default kernel (f16, L2 cold, jnp.dot's layout; sessions of
-# 2026-12-04 14:23 and 16:21), small-M / default kernel, x jnp.dot, by its tiles:
+# by its cost model) and each of its tile rows streams B once more. Measured against the
+# default kernel (f16, L2 cold, jnp.dot's layout; sessions of 2026-12-04 14:23 and 16:21),
+# small-M / default kernel, x jnp.dot, by its tiles:
 #   96-128 rows x 4096 / 6144 / 8192 x 4095 / 8191 / 14335 (64-128 tiles): 2.07-2.48 / 0.83-1.58;
 #   256x4096x4095 (128): 1.61 / 0.92;  192x8192x8191, 256x6144x6143 (192): 2.17 / 1.79, 1.62 / 1.28;
 #   128x14336x4095 (224): 1.89 / 1.79;  192x10240x4095 (240): 1.92 / 1.66;  256x8192x8191 (256): 1.94 / 1.88;
