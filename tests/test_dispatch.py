@@ -386,16 +386,18 @@ def test_vmap_asks_again_only_what_the_rules_picked():
     function jitted under policy "kernel" keeps our kernel when vmapped later under
     "auto", and a kind asked for by name is kept; nested vmaps ask again at each level;
     the f16-accumulating kind, picked under "auto" for one product, is asked again too."""
+    from jax.extend.core import jaxpr_as_fun
+
     from jax_hopper._primitive import KERNELS, gemm
 
     xs = jax.ShapeDtypeStruct((2, 100, 8191), jnp.float16)
     ws = jax.ShapeDtypeStruct((2, 8191, 2048), jnp.float16)
     product = lambda x, w: jax_hopper.matmul(x, w)  # noqa: E731
-    jitted = jax.jit(product)
-    with jax_hopper.dispatch("kernel"):
-        jitted(*[jnp.zeros(s.shape[1:], s.dtype) for s in (xs, ws)])  # traced (and cached) under "kernel"
+    with jax_hopper.dispatch("kernel"):  # traced under "kernel" (as jit's cache would keep it)
+        traced = jaxpr_as_fun(jax.make_jaxpr(product)(*[jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in (xs, ws)]))
     with jax_hopper.dispatch("auto"):
-        assert _kernel_kinds(jax.vmap(jitted), xs, ws) == [KERNELS["persistent"]]
+        assert _kernel_kinds(jax.vmap(traced), xs, ws) == [KERNELS["persistent"]]
+        assert _kernel_kinds(jax.vmap(product), xs, ws) == []  # traced under "auto": the rules
         by_name = jax.vmap(lambda x, w: gemm(x, w, kernel="persistent"))
         assert _kernel_kinds(by_name, xs, ws) == [KERNELS["persistent"]]
         # Nested: 2 examples x 8 blocks lost (XLA); 4 x 8 = 32 blocks is ours again.
