@@ -175,24 +175,30 @@ PADDING_COPY_MAX_SHARE = 1.25
 
 # Past decode-sized M the default kernel runs one CTA per 128x256 output tile and splits
 # no K loop. With few tiles (up to one per SM) each CTA streams a K x 256 block of B at one
-# SM's pace, about 44 us at K = 4095 however many tiles, while XLA's slow unaligned kernel
-# takes the larger of streaming the weight (its time in proportion to the weight's
-# bytes) and its arithmetic (in proportion to batch x M x N x K). So the default kernel
-# needs either enough distinct blocks of B's columns, batch x ceil(N / 256) (two tile rows
-# share a block), or enough outputs, batch x M x N. Measured (f16, L2 cold; sessions of
-# 2026-12-04 14:23 and 16:21), odd K, by B blocks: 16 lost (128 x 4096 x 4095 / 14335,
-# 96x4096x8191, 256x4096x4095, 2x100x2048x8191: 0.83-0.93x); 24 won (128x6144x4095 1.25x,
-# 256x6144x6143 1.28x, 2x100x3072x8191 1.23x, 3x200x2048x4095 1.42x); 32 won (65-128 x
-# 8192 x 8191 1.53-1.58x, 2x100x4096x4095 1.64x, 192 and 256 x 8192 x 8191 1.79-1.89x,
+# SM's pace, about 46 us at K = 4095 however many tiles (its time flat in the tiles up to
+# one wave), while XLA's slow unaligned kernel takes the larger of streaming the weight
+# and its arithmetic, at up to about 340 TF/s where only K is odd (past 128 rows; fewer
+# at decode-sized M, and slower still where N is odd too). So the default kernel needs
+# either enough distinct blocks of B's columns, batch x ceil(N / 256) (two tile rows share
+# a block; past 256 rows 24 blocks are 72 tiles), or enough tiles. Measured (f16, L2 cold; sessions of
+# 2026-12-04 14:23, 16:21 and 18:24), odd K, by B blocks: 16 lost (128 x 4096 x 4095 /
+# 14335, 96x4096x8191, 256x4096x4095, 2x100x2048x8191: 0.83-0.93x); 24 won (128x6144x4095
+# 1.25x, 256x6144x6143 1.28x, 2x100x3072x8191 1.23x, 3x200x2048x4095 1.42x); 32 won (65-128
+# x 8192 x 8191 1.53-1.58x, 2x100x4096x4095 1.64x, 192 and 256 x 8192 x 8191 1.79-1.89x,
 # 2x256x4096x4095 1.76x), and 56-64 (128x14336x4095 1.78x, 4x128x4096x4095 1.68x). By
-# outputs, with fewer blocks: 1279^3 (1.64M outputs, 5 blocks) won 1.89x, 1024x4096x4095
-# (4.2M, 16 blocks) 2.40x, while 256x4096x4095 (1.05M) lost; between 1.05M and 1.64M
-# nothing was measured, so the bound sits at the smallest win. (Past one SM per tile the
-# outputs exceed it anyway.) Those in jnp.dot's layout up to SMALL_M_UNALIGNED_MAX_ROWS
-# whose small-M tiles fit one wave run the small-M kind instead (kernel_for).
+# tiles, with fewer blocks: 32 lost (256x4096x4095 0.92x, 512x2048x8191 0.65x), 48 lost or
+# tied (1024x1536x4095 0.79-0.82x, 448x3072x4095 0.92-0.94x, 320 and 384 x 4096 x 4095
+# 1.00-1.08x), 50 lost at 1280x1280x4095 (0.86x, where XLA ran 314 TF/s) and won at
+# 1279^3 (1.89x: an odd N, XLA's slower kernel); 54 and more won (1152x1536x4095 1.64x,
+# 640x3072x4095 1.70x, 2048x1024x4095 1.60x, 1535^3 2.70x, 1024x4096x4095 2.40x). The
+# bound is the smallest win above every loss. (An outputs bound, 1279^2, stood here
+# until the session of 18:24 measured 1280x1280x4095.) Those in jnp.dot's layout whose
+# small-M tiles fit one wave run the small-M kind instead (kernel_for), ahead of the
+# default kernel on every one of these measured.
 MIN_UNALIGNED_B_BLOCKS = 24
-MIN_UNALIGNED_OUTPUTS = 1279 * 1279
-DEFAULT_TILE_N = 256  # the default kernel's 128x256 tile: its columns
+MIN_UNALIGNED_TILES = 54
+DEFAULT_TILE_M = 128  # the default kernel's 128x256 tile
+DEFAULT_TILE_N = 256
 
 
 def _unaligned_rows_win(p: Problem, kind: str | None = None) -> bool:
@@ -201,9 +207,9 @@ def _unaligned_rows_win(p: Problem, kind: str | None = None) -> bool:
     unbatched): with an odd K it reads the weight in place and is HBM-bound (16 and 64 x
     8192 x 8191, 28 us of HBM time: 3.1-3.3x); with an odd N, or a K-major weight (x @
     W.T) with an odd K, the padding would copy the weight whole (the copy bound leaves it
-    to XLA). With an odd K and up to 256 rows in one wave of its tiles, the small-M kind
+    to XLA). With an odd K, up to 2048 rows and its tiles in one wave, the small-M kind
     too (kernel_for); the default kernel only with enough blocks of B's columns to spread
-    B over the SMs, or enough outputs that XLA's slow kernel is compute-bound. `kind`: the
+    B over the SMs, or enough tiles to outrun XLA's slow kernel. `kind`: the
     kind that would run it (default: kernel_for's)."""
     if p.rows_aligned or p.padding_copy_us > PADDING_COPY_MAX_SHARE * p.roofline_us:
         return False
@@ -212,9 +218,9 @@ def _unaligned_rows_win(p: Problem, kind: str | None = None) -> bool:
     if p.m <= SMALL_M_MAX_ROWS:
         return False  # decode-sized on another kind (batched, transposed, fused): never measured
     b_blocks = max(p.batch, 1) * math.ceil(p.n / DEFAULT_TILE_N)
-    outputs = max(p.batch, 1) * p.m * p.n
+    tiles = b_blocks * math.ceil(p.m / DEFAULT_TILE_M)
     return p.compute_us >= MIN_UNALIGNED_KERNEL_US and (b_blocks >= MIN_UNALIGNED_B_BLOCKS or
-                                                        outputs >= MIN_UNALIGNED_OUTPUTS)
+                                                        tiles >= MIN_UNALIGNED_TILES)
 
 
 # Aligned products with M and N both >= WIDE_MIN_MN (and K >= WIDE_MIN_K): there our
@@ -528,16 +534,20 @@ SMALL_M_MAX_ROWS = 64
 # over more SMs (with up to 132 tiles each is also split in K: floor(264 / tiles) pieces;
 # launch.cuh split_k_pieces). Past one wave its tiles run in two or more (K split again
 # by its cost model) and each of its tile rows streams B once more. Measured against the
-# default kernel (f16, L2 cold, jnp.dot's layout; sessions of 2026-12-04 14:23 and 16:21),
-# small-M / default kernel, x jnp.dot, by its tiles:
+# default kernel (f16, L2 cold, jnp.dot's layout; sessions of 2026-12-04 14:23, 16:21 and
+# 18:24), small-M / default kernel, x jnp.dot, by its tiles:
 #   96-128 rows x 4096 / 6144 / 8192 x 4095 / 8191 / 14335 (64-128 tiles): 2.07-2.48 / 0.83-1.58;
 #   256x4096x4095 (128): 1.61 / 0.92;  192x8192x8191, 256x6144x6143 (192): 2.17 / 1.79, 1.62 / 1.28;
 #   128x14336x4095 (224): 1.89 / 1.79;  192x10240x4095 (240): 1.92 / 1.66;  256x8192x8191 (256): 1.94 / 1.88;
+#   past 256 rows: 512x2048x8191 (128) 1.13 / 0.67;  320x4096x4095 (160) 1.33 / 1.00;
+#   448x3072x4095 (168) 1.25 / 0.92;  384x4096x4095, 1024x1536x4095 (192) 1.43 / 1.08, 1.10 / 0.79;
+#   1280x1280x4095 (200) 1.18 / 0.86;  1152x1536x4095 (216) 2.26 / 1.64;  640x3072x4095 (240)
+#   2.18 / 1.70;  2048x1024x4095 (256) 2.03 / 1.60;
 #   past one wave the default kernel: 256x10240x4095 (320) 1.44 / 2.45, 160x16384x4095 (384)
 #   1.41 / 2.44, 256x14336x4095 (448) 1.79 / 2.75; a tie at 128x28672x4095 (448): 1.51 / 1.48.
 # (The default kernel there has over 32 blocks of B's columns, so it passes the bound
-# of _unaligned_rows_win.) Wider rows are not measured on the small-M kind.
-SMALL_M_UNALIGNED_MAX_ROWS = 256
+# of _unaligned_rows_win.) More rows than 2048 are not measured on the small-M kind.
+SMALL_M_UNALIGNED_MAX_ROWS = 2048
 SMALL_M_UNALIGNED_MAX_TILES = 256
 SMALL_M_TILE_M, SMALL_M_TILE_N = 64, 128  # the small-M kind's tile (cuda/gemm/config.cuh)
 

@@ -352,15 +352,20 @@ def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progr
     # decode shapes), so every row shows what the kernel does.
     path, rule = jax_hopper.dispatch_path(*sets[0], dims)
     variants = [JaxVariant("jax_hopper", functools.partial(jax_hopper.dot_general, dimension_numbers=dims))]
+    # The kind our kernel path runs (the default path's, or forced), recorded in each row.
+    kind = _dispatch.kernel_for(_dispatch.problem_of(a_shape, b_shape, dtype, dtype, ta, tb))
+    kinds = {"jax_hopper": kind if path == "kernel" else None}
     if path != "kernel":
-        kind = _dispatch.kernel_for(_dispatch.problem_of(a_shape, b_shape, dtype, dtype, ta, tb))
         name = "kernel" if kind == DEFAULT_KERNEL else f"kernel {kind}"
         variants.append(JaxVariant(name, functools.partial(gemm, transpose_a=ta, transpose_b=tb, kernel=kind)))
+        kinds[name] = kind
     if layout == "nn" and not batch:  # the seed's V5 is compiled for jnp.dot's layout
         variants += [JaxVariant(f"V5 s={s}", functools.partial(gemm, kernel="v5", stages=s)) for s in stages_list]
+        kinds.update({f"V5 s={s}": "v5" for s in stages_list})
         # The default's ablations are compiled for f16 only; the small-M kind for both.
         variants += [JaxVariant(name, functools.partial(gemm, kernel=name)) for name in kernels
                      if dtype_name == "f16" or name in BF16_EXTRA_KERNELS]
+        kinds.update({name: name for name in kernels})
     # The baseline: what jnp.dot / lax.dot_general lowers to (cuBLASLt on the H200).
     variants.append(JaxVariant("jnp.dot", functools.partial(jax.lax.dot_general, dimension_numbers=dims)))
     variant_sets = {v.name: sets for v in variants}
@@ -408,6 +413,7 @@ def bench_case(batch, m, n, k, layout, dtype_name, stages_list, use_torch, progr
             "sustained_rounds_ms": sustained[v.name],
             "rel_error": errors.get(v.name), "input_sets": n_sets,
             "path": path if v.name == "jax_hopper" else None, "rule": rule if v.name == "jax_hopper" else None,
+            "kind": kinds.get(v.name),
         })
     del sets, variant_sets
     return rows

@@ -48,11 +48,12 @@ def test_auto_runs_our_kernel_only_where_a_rule_measured_it_faster(dtype):
         assert jax_hopper.dispatch_path(*_structs(8192, 8192, 8192, dtype), NN) == ("xla", "default")
         assert _custom_calls(8192, 8192, 8192, dtype) == []
         # Unaligned but small: launch and padding costs dominate; XLA. The threshold is a
-        # roofline time between the measured 1023^3 (a loss) and 1279^3 (a win); decode-like
-        # products reading a large B are HBM-bound and far above it.
+        # roofline time between the measured 1023^3 (a loss) and 1279^3 (a win, which the tile
+        # bound below now leaves to XLA); decode-like products reading a large B are HBM-bound
+        # and far above it.
         assert jax_hopper.dispatch_path(*_structs(100, 101, 103, dtype), NN) == ("xla", "default")
         assert jax_hopper.dispatch_path(*_structs(1023, 1023, 1023, dtype), NN) == ("xla", "default")
-        assert jax_hopper.dispatch_path(*_structs(1279, 1279, 1279, dtype), NN) == ("kernel", "unaligned-rows")
+        assert jax_hopper.dispatch_path(*_structs(1535, 1535, 1535, dtype), NN) == ("kernel", "unaligned-rows")
         assert jax_hopper.dispatch_path(*_structs(16, 8192, 8191, dtype), NN) == ("kernel", "unaligned-rows")
         # ... but not where that weight is K-major (x @ W.T): the padding would copy it whole.
         x, w_t = jax.ShapeDtypeStruct((16, 8191), dtype), jax.ShapeDtypeStruct((8192, 8191), dtype)
@@ -79,17 +80,26 @@ def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype
                         (128, 14336, 4095), (192, 10240, 4095), (256, 6144, 6143)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
             assert _kind_of(m, n, k, dtype) == "small_m", (m, n, k)
+        # ... and past 256 rows, up to 2048 (session of 2026-12-04 18:24: 1.10-2.26x, where the
+        # default kernel ran 0.65-1.70x: 320-448 x 3072-4096 x 4095, 512x2048x8191, 640x3072x4095,
+        # 1024 / 1152 x 1536 x 4095, 1280x1280x4095, 2048x1024x4095).
+        for m, n, k in [(257, 4096, 4095), (300, 2048, 8191), (448, 3072, 4095), (1024, 1536, 4095),
+                        (1280, 1280, 4095), (2048, 1024, 4095)]:
+            assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
+            assert _kind_of(m, n, k, dtype) == "small_m", (m, n, k)
         # Past one wave of them the default kernel (256x10240x4095 2.45x against 1.44x,
         # 160x16384x4095 2.44 / 1.41, 256x14336x4095 2.75 / 1.79; 128x28672x4095 a tie);
-        # it needs 24 blocks of B's columns (N / 256), which these have, or 1279^2 outputs
-        # (1024x4096x4095: 16 blocks, 2.40x; 1279^3: 5 blocks, 1.89x).
+        # it needs 24 blocks of B's columns (N / 256), which these have, or 54 tiles
+        # (1024x4096x4095: 16 blocks, 128 tiles, 2.40x; 1535^3: 6 blocks, 72 tiles, 2.70x).
         for m, n, k in [(256, 10240, 4095), (160, 16384, 4095), (256, 14336, 4095), (128, 28672, 4095),
-                        (1024, 4096, 4095), (1279, 1279, 1279)]:
+                        (1024, 4096, 4095), (1535, 1535, 1535), (2049, 1024, 4095)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
             assert _kind_of(m, n, k, dtype) == "persistent", (m, n, k)
-        # Neither, one row past the small-M kind (256x4096x4095, 16 blocks, lost 0.92x on the
-        # default kernel), or with 8 blocks over 300 rows: XLA.
-        for m, n, k in [(257, 4096, 4095), (300, 2048, 8191)]:
+        # Neither: fewer than 54 tiles on the default kernel (1280x1280x4095, 50 tiles, lost
+        # 0.86x there; 1279^3, also 50, won 1.89x against XLA's slower odd-N kernel, but the
+        # bound keeps to the smallest win above every loss), here with too many rows for the
+        # small-M kind or both rows odd.
+        for m, n, k in [(2304, 512, 4095), (1279, 1279, 1279), (1280, 1279, 4095)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("xla", "default"), (m, n, k)
         # Where the small-M kind is not compiled (here A stored [K, M], M = 255 odd; batched
         # products), the default kernel with up to 256 rows needs 24 blocks of B's columns
@@ -424,13 +434,20 @@ _LAYOUT_FLAGS = {"nn": (False, False), "nt": (False, True), "tn": (True, False),
 _FORCED_KIND = {"kernel": "persistent", "kernel small_m": "small_m", "small_m": "small_m", "persistent": "persistent"}
 
 
+# Before rows named their kind (the session of 2026-12-04 18:24), "auto" sent the small-M
+# kind products of up to this many rows; past it, its kernel path ran the default kind.
+_SMALL_M_ROWS_BEFORE_KIND_RECORDED = 256
+
+
 def _measured_kind(row):
     """The kind a recorded row ran (None where the row does not say)."""
+    if row.get("kind"):
+        return row["kind"]
     if row["variant"] in _FORCED_KIND:
         return _FORCED_KIND[row["variant"]]
     if row["variant"] == "jax_hopper" and row["path"] == "kernel" and (
-            row["batch"] or row["layout"] != "nn" or row["m"] > _dispatch.SMALL_M_UNALIGNED_MAX_ROWS):
-        return "persistent"  # only the default kind runs these (the small-M kind: unbatched NN, <= 256 rows)
+            row["batch"] or row["layout"] != "nn" or row["m"] > _SMALL_M_ROWS_BEFORE_KIND_RECORDED):
+        return "persistent"  # only the default kind ran these (the small-M kind: unbatched NN, <= 256 rows)
     return None
 
 

@@ -376,7 +376,8 @@ def test_stream_k_really_splits_the_tail(hopper):
                                    (100, 8192, 8192), (128, 4096, 14336), (16, 256, 8192), (16, 1000, 520),
                                    (17, 14336, 4096), (3, 100, 103), (16, 4096, 4096), (16, 1024, 1024),
                                    (16, 4992, 4096), (16, 5760, 4096), (16, 4097, 4096),
-                                   (128, 4096, 4095), (96, 6144, 8191), (256, 4096, 4095), (192, 8192, 8191)],
+                                   (128, 4096, 4095), (96, 6144, 8191), (256, 4096, 4095), (192, 8192, 8191),
+                                   (300, 2048, 8191), (1000, 1536, 4095), (1280, 1280, 4095), (2048, 1024, 4095)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_small_m_kind_is_correct_and_deterministic(hopper, shape, dtype):
     """The decode kind splits every tile's K range into pieces, one CTA each, summed in
@@ -386,8 +387,8 @@ def test_small_m_kind_is_correct_and_deterministic(hopper, shape, dtype):
     store element by element, 5 at 16x5760x4096) or by the last piece to
     finish through global memory (two tiles cut into 64 pieces at 16x256x8192): right
     (rows past M, warps holding none of them, partial N and K tiles, no split at
-    3x100x103; an odd K over 96-256 rows, which "auto" sends here while its tiles fit one
-    wave), and bitwise the same on every call."""
+    3x100x103; an odd K over 96-2048 rows, which "auto" sends here while its tiles fit
+    one wave; 1000 rows end in a partial tile), and bitwise the same on every call."""
     from jax_hopper._primitive import gemm
 
     m, n, k = shape
