@@ -207,10 +207,10 @@ def _unaligned_rows_win(p: Problem, kind: str | None = None) -> bool:
     unbatched): with an odd K it reads the weight in place and is HBM-bound (16 and 64 x
     8192 x 8191, 28 us of HBM time: 3.1-3.3x); with an odd N, or a K-major weight (x @
     W.T) with an odd K, the padding would copy the weight whole (the copy bound leaves it
-    to XLA). With an odd K, up to 2048 rows, N >= 1024 and its tiles in one wave, the small-M kind
-    too (kernel_for); the default kernel only with enough blocks of B's columns to spread
-    B over the SMs, or enough tiles to outrun XLA's slow kernel. `kind`: the
-    kind that would run it (default: kernel_for's)."""
+    to XLA). With an odd K and its tiles in one wave (past 256 rows: up to 2048, N >=
+    1024 and 160 tiles), the small-M kind too (kernel_for); the default kernel only with
+    enough blocks of B's columns to spread B over the SMs, or enough tiles to outrun
+    XLA's slow kernel. `kind`: the kind that would run it (default: kernel_for's)."""
     if p.rows_aligned or p.padding_copy_us > PADDING_COPY_MAX_SHARE * p.roofline_us:
         return False
     if (kernel_for(p) if kind is None else kind) == SMALL_M_KERNEL:
@@ -534,24 +534,32 @@ SMALL_M_MAX_ROWS = 64
 # over more SMs (with up to 132 tiles each is also split in K: floor(264 / tiles) pieces;
 # launch.cuh split_k_pieces). Past one wave its tiles run in two or more (K split again
 # by its cost model) and each of its tile rows streams B once more. Measured against the
-# default kernel (f16, L2 cold, jnp.dot's layout; sessions of 2026-12-04 14:23, 16:21 and
-# 18:24), small-M / default kernel, x jnp.dot, by its tiles:
+# default kernel (f16, L2 cold, jnp.dot's layout; sessions of 2026-12-04 14:23 and 16:21),
+# small-M / default kernel, x jnp.dot, by its tiles:
 #   96-128 rows x 4096 / 6144 / 8192 x 4095 / 8191 / 14335 (64-128 tiles): 2.07-2.48 / 0.83-1.58;
 #   256x4096x4095 (128): 1.61 / 0.92;  192x8192x8191, 256x6144x6143 (192): 2.17 / 1.79, 1.62 / 1.28;
 #   128x14336x4095 (224): 1.89 / 1.79;  192x10240x4095 (240): 1.92 / 1.66;  256x8192x8191 (256): 1.94 / 1.88;
-#   past 256 rows: 512x2048x8191 (128) 1.13 / 0.67;  320x4096x4095 (160) 1.33 / 1.00;
-#   448x3072x4095 (168) 1.25 / 0.92;  384x4096x4095, 1024x1536x4095 (192) 1.43 / 1.08, 1.10 / 0.79;
-#   1280x1280x4095 (200) 1.18 / 0.86;  1152x1536x4095 (216) 2.26 / 1.64;  640x3072x4095 (240)
-#   2.18 / 1.70;  2048x1024x4095 (256) 2.03 / 1.60; through "auto" (f16 / bf16) 1.08-2.09x;
-#   but 2048x512x4095 (128) lost through "auto", 0.97 / 0.96 (A, copied, is there the larger
-#   operand; XLA ran 272 TF/s), so past 64 rows N must be at least SMALL_M_UNALIGNED_MIN_N;
 #   past one wave the default kernel: 256x10240x4095 (320) 1.44 / 2.45, 160x16384x4095 (384)
 #   1.41 / 2.44, 256x14336x4095 (448) 1.79 / 2.75; a tie at 128x28672x4095 (448): 1.51 / 1.48.
 # (The default kernel there has over 32 blocks of B's columns, so it passes the bound
-# of _unaligned_rows_win.) More rows than 2048 are not measured on the small-M kind.
-SMALL_M_UNALIGNED_MAX_ROWS = 2048
+# of _unaligned_rows_win.)
+SMALL_M_UNALIGNED_MAX_ROWS = 256
 SMALL_M_UNALIGNED_MAX_TILES = 256
-SMALL_M_UNALIGNED_MIN_N = 1024
+# Past 256 rows XLA's unaligned kernel runs faster (up to about 340 TF/s where only K is
+# odd; cuBLASLt's pick varies by shape), and the small-M kind needs most of its wave:
+# up to this many rows, with N and its tiles at least these. Measured (session of
+# 2026-12-04 18:24, f16 and bf16, L2 cold), small-M / default kernel, x jnp.dot, by its
+# tiles: 320x4096x4095 (160) 1.32-1.35 / 1.00;  448x3072x4095 (168) 1.25 / 0.92;
+# 384x4096x4095, 1024x1536x4095, 1536x1024x4095 (192) 1.43 / 1.08, 1.08-1.10 / 0.79,
+# 1.10-1.15;  1280x1280x4095 (200) 1.17-1.32 / 0.86;  1152x1536x4095 (216) 2.26 / 1.64;
+# 640x3072x4095 (240) 2.18 / 1.70;  2048x1024 x 4095 / 2047 (256) 1.97-2.09, 1.87-1.93 /
+# 1.60 -- but with fewer tiles, or narrow N, it lost or barely won: 640x1024x8191 (80)
+# 0.98; 2048x512x4095 (128) 0.96-0.97 / 0.59 (A, copied, the larger operand there);
+# 512x2048x8191 (128) 1.11-1.13 / 0.65-0.67. Those run the default kernel's rule instead.
+# More rows than 2048 are not measured on the small-M kind.
+SMALL_M_UNALIGNED_WIDE_MAX_ROWS = 2048
+SMALL_M_UNALIGNED_WIDE_MIN_N = 1024
+SMALL_M_UNALIGNED_WIDE_MIN_TILES = 160
 SMALL_M_TILE_M, SMALL_M_TILE_N = 64, 128  # the small-M kind's tile (cuda/gemm/config.cuh)
 
 
@@ -563,8 +571,10 @@ def kernel_for(p: Problem) -> str:
         a_row, b_row = p.operand_rows
         only_a_padded = a_row % TMA_ROW_MULTIPLE != 0 and b_row % TMA_ROW_MULTIPLE == 0
         small_m_tiles = math.ceil(p.m / SMALL_M_TILE_M) * math.ceil(p.n / SMALL_M_TILE_N)
-        if (only_a_padded and p.m <= SMALL_M_UNALIGNED_MAX_ROWS and p.n >= SMALL_M_UNALIGNED_MIN_N
-                and small_m_tiles <= SMALL_M_UNALIGNED_MAX_TILES):
+        if only_a_padded and small_m_tiles <= SMALL_M_UNALIGNED_MAX_TILES and (
+                p.m <= SMALL_M_UNALIGNED_MAX_ROWS or
+                (p.m <= SMALL_M_UNALIGNED_WIDE_MAX_ROWS and p.n >= SMALL_M_UNALIGNED_WIDE_MIN_N and
+                 small_m_tiles >= SMALL_M_UNALIGNED_WIDE_MIN_TILES)):
             return SMALL_M_KERNEL
     return DEFAULT_KERNEL
 
