@@ -192,8 +192,9 @@ PADDING_COPY_MAX_SHARE = 1.25
 # 1279^3 (1.89x: an odd N, XLA's slower kernel); 54 and more won (1152x1536x4095 1.64x,
 # 640x3072x4095 1.70x, 2048x1024x4095 1.60x, 1535^3 2.70x, 1024x4096x4095 2.40x). The
 # bound is the smallest win above every loss. (An outputs bound, 1279^2, stood here
-# until the session of 18:24 measured 1280x1280x4095.) Those in jnp.dot's layout whose
-# small-M tiles fit one wave run the small-M kind instead (kernel_for), ahead of the
+# until the session of 18:24 measured 1280x1280x4095.) Those that kernel_for gives the
+# small-M kind (unbatched, jnp.dot's layout, only A's rows padded, its tiles in one wave;
+# past 256 rows with N, K and its tiles large enough) run that kind instead, ahead of the
 # default kernel on every one of these measured.
 MIN_UNALIGNED_B_BLOCKS = 24
 MIN_UNALIGNED_TILES = 54
@@ -207,8 +208,8 @@ def _unaligned_rows_win(p: Problem, kind: str | None = None) -> bool:
     unbatched): with an odd K it reads the weight in place and is HBM-bound (16 and 64 x
     8192 x 8191, 28 us of HBM time: 3.1-3.3x); with an odd N, or a K-major weight (x @
     W.T) with an odd K, the padding would copy the weight whole (the copy bound leaves it
-    to XLA). With an odd K and its tiles in one wave (past 256 rows: up to 2048, N >=
-    1024 and 160 tiles), the small-M kind too (kernel_for); the default kernel only with
+    to XLA). With an odd K and its tiles in one wave (past 256 rows: N >= 1024, K >= 2047
+    and 160 tiles), the small-M kind too (kernel_for); the default kernel only with
     enough blocks of B's columns to spread B over the SMs, or enough tiles to outrun
     XLA's slow kernel. `kind`: the kind that would run it (default: kernel_for's)."""
     if p.rows_aligned or p.padding_copy_us > PADDING_COPY_MAX_SHARE * p.roofline_us:
@@ -251,7 +252,7 @@ def _wide_aligned_win(p: Problem) -> bool:
 RULES: tuple[Rule, ...] = (
     Rule("unaligned-rows", _unaligned_rows_win, "kernel",
          "rows not 16-byte aligned: cuBLASLt falls to its slow kernels (8191^3 f16: 163 TF/s, 16x8192x8191: "
-         "18 TF/s) while ours pads only the short rows and runs at 1.25-3.9x from 1279^3 up and 2.3-3.3x on "
+         "18 TF/s) while ours pads only the short rows and runs at 1.6-3.9x from 1281^3 up and 2.3-3.3x on "
          "decode-like products with an odd K in jnp.dot's layout; not where the padding copies a weight "
          "that outweighs the product (an odd vocabulary over up to 128 tokens: 0.33-0.54x)",
          applies_fused=lambda p: _unaligned_rows_win(p, DEFAULT_KERNEL)),
@@ -556,9 +557,10 @@ SMALL_M_UNALIGNED_MAX_TILES = 256
 # 1.60 -- but with fewer tiles, or narrow N, it lost or barely won: 640x1024x8191 (80)
 # 0.98; 2048x512x4095 (128) 0.96-0.97 / 0.59 (A, copied, the larger operand there);
 # 512x2048x8191 (128) 1.11-1.13 / 0.65-0.67. Those run the default kernel's rule instead.
-# More rows than 2048 are not measured on the small-M kind.
-SMALL_M_UNALIGNED_WIDE_MAX_ROWS = 2048
+# N and K stay within what was measured (N 1024-4096, K 2047-8191; the narrow-N loss
+# above also had too few tiles); with N >= 1024 its 256 tiles hold at most 2048 rows.
 SMALL_M_UNALIGNED_WIDE_MIN_N = 1024
+SMALL_M_UNALIGNED_WIDE_MIN_K = 2047
 SMALL_M_UNALIGNED_WIDE_MIN_TILES = 160
 SMALL_M_TILE_M, SMALL_M_TILE_N = 64, 128  # the small-M kind's tile (cuda/gemm/config.cuh)
 
@@ -573,7 +575,7 @@ def kernel_for(p: Problem) -> str:
         small_m_tiles = math.ceil(p.m / SMALL_M_TILE_M) * math.ceil(p.n / SMALL_M_TILE_N)
         if only_a_padded and small_m_tiles <= SMALL_M_UNALIGNED_MAX_TILES and (
                 p.m <= SMALL_M_UNALIGNED_MAX_ROWS or
-                (p.m <= SMALL_M_UNALIGNED_WIDE_MAX_ROWS and p.n >= SMALL_M_UNALIGNED_WIDE_MIN_N and
+                (p.n >= SMALL_M_UNALIGNED_WIDE_MIN_N and p.k >= SMALL_M_UNALIGNED_WIDE_MIN_K and
                  small_m_tiles >= SMALL_M_UNALIGNED_WIDE_MIN_TILES)):
             return SMALL_M_KERNEL
     return DEFAULT_KERNEL

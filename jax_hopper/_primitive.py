@@ -40,7 +40,8 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # 5 is the fused kind, reached through jax_hopper.dense only. "small_m" is for decode-
 # sized M (64x128 tiles, every tile's K range split into pieces, one CTA each, two CTAs
 # per SM, a tile's pieces summed within a cluster where that pays; f16/bf16, jnp.dot's
-# layout).
+# layout), and for products with an odd K whose 64x128 tiles fill one wave (up to 2048
+# rows: _dispatch.kernel_for).
 KERNELS = {"v5": 0, "persistent": 1, "persistent_basic": 2, "persistent_tma": 3, "persistent_wait0": 4,
            "persistent_streamk": 6, "persistent_f16acc": 7, "small_m": 8, "persistent_pingpong": 9,
            "persistent_immediate": 10, "persistent_static": 11}

@@ -99,12 +99,26 @@ def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype
         # Neither: fewer than 54 tiles on the default kernel (1280x1280x4095, 50 tiles, lost
         # 0.86x there; 1279^3, also 50, won 1.89x against XLA's slower odd-N kernel, but the
         # bound keeps to the smallest win above every loss), here with too many rows for the
-        # small-M kind or both rows odd, or too few of its tiles or too narrow an N for it
-        # (640x1024x8191, 80 tiles: 0.98x there; 2048x512x4095, 128: 0.96-0.97x; 512x2048x8191,
-        # 128, won only 1.11-1.13x; 300x2048x8191 has 80).
+        # small-M kind or both rows odd, or too few of its tiles for it (640x1024x8191, 80
+        # tiles: 0.98x there; 2048x512x4095, 128: 0.96-0.97x; 512x2048x8191, 128, won only
+        # 1.11-1.13x; 300x2048x8191 has 80, 1152x1024x4095 144), or an N below the measured
+        # 1024 (2048x768x4095: 192 of its tiles).
         for m, n, k in [(2304, 512, 4095), (1279, 1279, 1279), (1280, 1279, 4095), (2048, 512, 4095),
-                        (640, 1024, 8191), (512, 2048, 8191), (300, 2048, 8191)]:
+                        (640, 1024, 8191), (512, 2048, 8191), (300, 2048, 8191), (1152, 1024, 4095),
+                        (2048, 768, 4095)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("xla", "default"), (m, n, k)
+        # A K below the measured 2047 past 256 rows: not the small-M kind (the default
+        # kernel's 64 tiles take it).
+        assert _kind_of(2048, 1024, 1535, dtype) == "persistent"
+        # The default kernel's tile bound itself: 54 tiles won (1152x1536x4095 1.64x), 48 lost
+        # (1024x1536x4095 0.79-0.82x); a fused layer runs the default kernel's tiles, so at
+        # 1280x1280x4095 (50 tiles, 0.86x) it is XLA's though the plain product is ours.
+        wins = _dispatch._unaligned_rows_win
+        assert wins(_dispatch.Problem(0, 1152, 1536, 4095, 2, 2, False, False), "persistent")
+        assert not wins(_dispatch.Problem(0, 1024, 1536, 4095, 2, 2, False, False), "persistent")
+        p1280 = _dispatch.Problem(0, 1280, 1280, 4095, 2, 2, False, False)
+        assert _dispatch.choose(p1280)[0] == "kernel" and _dispatch.kernel_for(p1280) == "small_m"
+        assert _dispatch.choose_dense(p1280, None)[0] == "xla"
         # Where the small-M kind is not compiled (here A stored [K, M], M = 255 odd; batched
         # products), the default kernel with up to 256 rows needs 24 blocks of B's columns
         # (batch x N / 256): 16 lost (256x4096x4095 0.92x, 2x100x2048x8191 0.91x), 24 won

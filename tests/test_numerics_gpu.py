@@ -387,8 +387,8 @@ def test_small_m_kind_is_correct_and_deterministic(hopper, shape, dtype):
     store element by element, 5 at 16x5760x4096) or by the last piece to
     finish through global memory (two tiles cut into 64 pieces at 16x256x8192): right
     (rows past M, warps holding none of them, partial N and K tiles, no split at
-    3x100x103; an odd K over 96-2048 rows, which "auto" sends here while its tiles fit
-    one wave; 1000 rows end in a partial tile), and bitwise the same on every call."""
+    3x100x103; an odd K over 96-2048 rows, as "auto" sends here while its tiles fit one
+    wave; 1000 rows end in a partial tile), and bitwise the same on every call."""
     from jax_hopper._primitive import gemm
 
     m, n, k = shape
