@@ -548,7 +548,7 @@ SMALL_M_UNALIGNED_MAX_ROWS = 256
 SMALL_M_UNALIGNED_MAX_TILES = 256
 # Past 256 rows XLA's unaligned kernel runs faster (up to about 340 TF/s where only K is
 # odd; cuBLASLt's pick varies by shape), and the small-M kind needs most of its wave:
-# up to this many rows, with N and its tiles at least these. Measured (session of
+# N, K and its tiles at least these. Measured (session of
 # 2026-12-04 18:24, f16 and bf16, L2 cold), small-M / default kernel, x jnp.dot, by its
 # tiles: 320x4096x4095 (160) 1.32-1.35 / 1.00;  448x3072x4095 (168) 1.25 / 0.92;
 # 384x4096x4095, 1024x1536x4095, 1536x1024x4095 (192) 1.43 / 1.08, 1.08-1.10 / 0.79,

@@ -80,7 +80,7 @@ def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype
                         (128, 14336, 4095), (192, 10240, 4095), (256, 6144, 6143)]:
             assert jax_hopper.dispatch_path(*_structs(m, n, k, dtype), NN) == ("kernel", "unaligned-rows"), (m, n, k)
             assert _kind_of(m, n, k, dtype) == "small_m", (m, n, k)
-        # ... and past 256 rows, up to 2048, with N >= 1024 and 160 of its tiles (session of
+        # ... and past 256 rows with N >= 1024, K >= 2047 and 160 of its tiles (session of
         # 2026-12-04 18:24: 1.08-2.26x, where the default kernel ran 0.79-1.70x: 320-448 x
         # 3072-4096 x 4095, 640x3072x4095, 1024 / 1152 x 1536 x 4095, 1536x1024x4095,
         # 1280x1280x4095, 2048x1024 x 4095 / 2047).
@@ -98,11 +98,11 @@ def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype
             assert _kind_of(m, n, k, dtype) == "persistent", (m, n, k)
         # Neither: fewer than 54 tiles on the default kernel (1280x1280x4095, 50 tiles, lost
         # 0.86x there; 1279^3, also 50, won 1.89x against XLA's slower odd-N kernel, but the
-        # bound keeps to the smallest win above every loss), here with too many rows for the
-        # small-M kind or both rows odd, or too few of its tiles for it (640x1024x8191, 80
-        # tiles: 0.98x there; 2048x512x4095, 128: 0.96-0.97x; 512x2048x8191, 128, won only
-        # 1.11-1.13x; 300x2048x8191 has 80, 1152x1024x4095 144), or an N below the measured
-        # 1024 (2048x768x4095: 192 of its tiles).
+        # bound keeps to the smallest win above every loss), and not the small-M kind's: both
+        # rows odd, or too few of its tiles (640x1024x8191, 80 tiles: 0.98x there;
+        # 2048x512x4095, 128: 0.96-0.97x; 512x2048x8191, 128, won only 1.11-1.13x;
+        # 300x2048x8191 has 80, 1152x1024x4095 and 2304x512x4095 144), or an N below the
+        # measured 1024 (2048x768x4095: 192 of its tiles).
         for m, n, k in [(2304, 512, 4095), (1279, 1279, 1279), (1280, 1279, 4095), (2048, 512, 4095),
                         (640, 1024, 8191), (512, 2048, 8191), (300, 2048, 8191), (1152, 1024, 4095),
                         (2048, 768, 4095)]:
