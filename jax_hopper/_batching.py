@@ -63,12 +63,9 @@ def _bind(a, b, params):
                                        params["transpose_b"])
         if not rules:
             kernel = _dispatch.kernel_for(problem)
-        elif kernel == F16_ACCUMULATION_KERNEL:
-            path, _, f16 = _dispatch.choose_f16_accumulation(problem, policy="auto")
-            kernel = F16_ACCUMULATION_KERNEL if f16 else XLA_KERNEL if path == "xla" else _dispatch.kernel_for(problem)
         else:
-            path, _ = _dispatch.choose(problem, policy="auto")
-            kernel = XLA_KERNEL if path == "xla" else _dispatch.kernel_for(problem)
+            path, _, kind = _dispatch.pick(problem, f16_accumulation=kernel == F16_ACCUMULATION_KERNEL, policy="auto")
+            kernel = XLA_KERNEL if path == "xla" else kind
         params = dict(params, kernel=kernel, stages=stages_of(kernel))
     return gemm_p.bind(a, b, **params)
 

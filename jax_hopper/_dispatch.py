@@ -37,7 +37,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jax_hopper import _ffi
-from jax_hopper._primitive import DEFAULT_KERNEL, SMALL_M_KERNEL, TMA_ROW_MULTIPLE, _round_up
+from jax_hopper._primitive import DEFAULT_KERNEL, F16_ACCUMULATION_KERNEL, SMALL_M_KERNEL, TMA_ROW_MULTIPLE, _round_up
 
 POLICIES = ("auto", "kernel", "xla")
 _ENV = "JAX_HOPPER_DISPATCH"
@@ -494,6 +494,18 @@ def choose(problem: Problem, policy: str | None = None, fused: bool = False) -> 
         if (rule.fused_too or not fused) and applies(problem):
             return _runnable(rule.path, rule.name)
     raise AssertionError("the rule table ends with a catch-all")
+
+
+def pick(problem: Problem, f16_accumulation: bool = False, policy: str | None = None) -> tuple[str, str, str]:
+    """(path, rule, the kernel kind that runs it on the kernel path) for one product;
+    `f16_accumulation`: its caller allows f16 sums (choose_f16_accumulation)."""
+    if f16_accumulation:
+        path, rule, f16 = choose_f16_accumulation(problem, policy)
+        if f16:
+            return path, rule, F16_ACCUMULATION_KERNEL
+    else:
+        path, rule = choose(problem, policy)
+    return path, rule, kernel_for(problem)
 
 
 def picked_by_rules(rule: str) -> bool:

@@ -32,7 +32,7 @@ from jax.custom_derivatives import SymbolicZero
 # _autodiff and _batching are imported for their side effect: they register the rules.
 from jax_hopper import _autodiff, _batching, _dispatch, _ffi  # noqa: F401
 from jax_hopper._dimension_numbers import plan_dot_general
-from jax_hopper._primitive import F16_ACCUMULATION_KERNEL, KERNEL_DTYPES, PRODUCT_NAME, XLA_KERNEL, gemm
+from jax_hopper._primitive import KERNEL_DTYPES, PRODUCT_NAME, XLA_KERNEL, gemm
 from jax_hopper._sharding import is_explicit, padded_spec
 
 F32 = jnp.dtype(jnp.float32)
@@ -221,14 +221,7 @@ def _check_accumulation(name, accumulation, lhs, rhs, precision, preferred_eleme
 
 def _path(plan, lhs, out, accumulation) -> tuple[str, str, str]:
     """(path, rule, the kernel kind that runs it on the kernel path) from the dispatcher."""
-    problem = _problem(plan, lhs, out)
-    if accumulation == "f16":
-        path, rule, f16 = _dispatch.choose_f16_accumulation(problem)
-        if f16:
-            return path, rule, F16_ACCUMULATION_KERNEL
-    else:
-        path, rule = _dispatch.choose(problem)
-    return path, rule, _dispatch.kernel_for(problem)
+    return _dispatch.pick(_problem(plan, lhs, out), f16_accumulation=accumulation == "f16")
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None,
