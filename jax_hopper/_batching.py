@@ -32,8 +32,7 @@ from jax_hopper._fallback import (
     row_sum,
 )
 from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p
-from jax_hopper._primitive import (F16_ACCUMULATION_KERNEL, PRODUCT_NAME, SMALL_M_KERNEL, XLA_KERNEL, gemm_p,
-                                   stages_of)
+from jax_hopper._primitive import PRODUCT_NAME, gemm_p, stages_of
 from jax_hopper._sharding import merge_drops_explicit_sharding
 
 NOT_MAPPED = None
@@ -56,16 +55,9 @@ def _bind(a, b, params):
     default kernel on 16 blocks of B's columns, which lost). A kind asked for by policy
     "kernel" or by name (the internal gemm(kernel=...)) is kept, but for the small-M kind,
     compiled for one product in jnp.dot's layout: it is picked again (_dispatch.kernel_for)."""
-    kernel = params["kernel"]
-    rules = params.get("rules", False)
-    if rules or kernel == SMALL_M_KERNEL:
-        problem = _dispatch.problem_of(a.shape, b.shape, a.dtype, params["out_dtype"], params["transpose_a"],
-                                       params["transpose_b"])
-        if not rules:
-            kernel = _dispatch.kernel_for(problem)
-        else:
-            path, _, kind = _dispatch.pick(problem, f16_accumulation=kernel == F16_ACCUMULATION_KERNEL, policy="auto")
-            kernel = XLA_KERNEL if path == "xla" else kind
+    kernel = _dispatch.kind_for_shapes(params["kernel"], params.get("rules", False), a.shape, b.shape, a.dtype,
+                                       params["out_dtype"], params["transpose_a"], params["transpose_b"])
+    if kernel != params["kernel"]:
         params = dict(params, kernel=kernel, stages=stages_of(kernel))
     return gemm_p.bind(a, b, **params)
 

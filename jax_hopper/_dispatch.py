@@ -37,7 +37,8 @@ from collections.abc import Callable
 import numpy as np
 
 from jax_hopper import _ffi
-from jax_hopper._primitive import DEFAULT_KERNEL, F16_ACCUMULATION_KERNEL, SMALL_M_KERNEL, TMA_ROW_MULTIPLE, _round_up
+from jax_hopper._primitive import (DEFAULT_KERNEL, F16_ACCUMULATION_KERNEL, SMALL_M_KERNEL, TMA_ROW_MULTIPLE, XLA_KERNEL,
+                                   _round_up)
 
 POLICIES = ("auto", "kernel", "xla")
 _ENV = "JAX_HOPPER_DISPATCH"
@@ -170,7 +171,12 @@ MIN_UNALIGNED_KERNEL_US = 4.0
 # with it, so the crossing lies somewhere between 128 and 256 rows), 1.07 and below won
 # (384, 512, 1024 x 50257 x 4096: 1.13-1.16, 1.45, 1.80x; odd K, where only A is copied:
 # 0.00-0.05, 16-256 x 8192 x 8191 and 16 x 4096 / 14336 x 4095, 1.9-3.3x; squares 1279^3
-# and 1535^3: 0.64 and 0.54, 1.9 and 2.7x).
+# and 1535^3: 0.64 and 0.54, 1.9 and 2.7x). Between 128 and 256 rows an odd N, forced onto
+# the default kernel (copy / roofline 1.7-1.95), ran 0.974-1.178x (sessions of 2026-12-04
+# 18:24 and 20:15; f16, L2 cold): it lost at 136x50257x1024 0.99, 136x128257x4096 0.997,
+# 144x50257x768 0.974, and won 2-18% elsewhere (129 rows 1.02; 136-248 rows x 32001 /
+# 50257 / 128257 x 1600-8192 1.03-1.18): no bound by rows, K or N separates those
+# losses from the wins, so the copy bound stays and XLA keeps that band.
 PADDING_COPY_MAX_SHARE = 1.25
 
 # Past decode-sized M the default kernel runs one CTA per 128x256 output tile and splits
@@ -598,6 +604,25 @@ def numeric(*dims) -> bool:
     rules below and the kernel's launch need sizes, so such products are jax's (or, under
     vmap, the primitives' reference arithmetic)."""
     return all(isinstance(d, (int, np.integer)) for d in dims)
+
+
+def kind_for_shapes(kernel: str, rules: bool, a_shape, b_shape, dtype, out_dtype, transpose_a: bool,
+                    transpose_b: bool) -> str:
+    """The kind that computes a product bound with `kernel` once its operands have these
+    shapes, which can differ from the shapes it was picked for: vmap grows M or adds a
+    batch dim (_batching.py), and under sharding each device multiplies its shards
+    (_primitive._cuda_impl). Where the rules picked the kind (`rules`: policy "auto"),
+    they are asked again for these shapes (XLA_KERNEL where they would leave it to XLA's
+    dot); the small-M kind asked for by name or by policy "kernel", compiled for one
+    product in jnp.dot's layout, is picked again by kernel_for; any other is kept. Shapes
+    with a symbolic dim keep the kind (there are no sizes to ask about)."""
+    if not (rules or kernel == SMALL_M_KERNEL) or not numeric(*a_shape, *b_shape):
+        return kernel
+    problem = problem_of(a_shape, b_shape, dtype, out_dtype, transpose_a, transpose_b)
+    if not rules:
+        return kernel_for(problem)
+    path, _, kind = pick(problem, f16_accumulation=kernel == F16_ACCUMULATION_KERNEL, policy="auto")
+    return XLA_KERNEL if path == "xla" else kind
 
 
 def problem_of(a_shape, b_shape, dtype, out_dtype, transpose_a: bool, transpose_b: bool) -> Problem:

@@ -137,11 +137,23 @@ def _reference(a, b, *, transpose_a, transpose_b, out_dtype):
                           out_sharding=sharding)
 
 
-def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
+def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rules=False):
     reason = _ffi.kernel_unavailable_reason()
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
         return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
+    # Under sharding this runs on each device's shards (_sharding.py), smaller than the
+    # product the rules picked the kind for: a kind the rules picked is picked again for
+    # them, so a shard outside what the rules measured goes to XLA's dot or another kind
+    # (an odd-K 2048x1024x4095 runs the small-M kind; its 512-row shards would be the
+    # default kernel's 16 tiles, a loss). Unsharded, the same shapes give the same kind.
+    from jax_hopper._dispatch import kind_for_shapes  # _dispatch imports this module
+
+    picked = kind_for_shapes(kernel, rules, a.shape, b.shape, a.dtype, out_dtype, transpose_a, transpose_b)
+    if picked == XLA_KERNEL:
+        return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
+    if picked != kernel:
+        kernel, stages = picked, stages_of(picked)
     m, n, _, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
     # A [..., M, K] against a 2-D B keeps its leading dims: the FFI handler folds them into
     # M (contiguous rows), as a reshape here could not under explicit mesh axes.
@@ -151,8 +163,8 @@ def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
                 kernel=np.int32(KERNELS[kernel]), stages=np.int32(stages))
 
 
-def _default_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
-    del kernel, stages
+def _default_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rules=False):
+    del kernel, stages, rules
     return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
 
 
@@ -183,8 +195,7 @@ def _lowering(local_impl):
     ours = sharded_lowering(local_impl, _default_impl)
     xla = mlir.lower_fun(_default_impl, multiple_results=False)
 
-    def rule(ctx, a, b, *, rules=False, **params):
-        del rules  # only vmap reads it (_batching.py)
+    def rule(ctx, a, b, **params):
         return (xla if params["kernel"] == XLA_KERNEL else ours)(ctx, a, b, **params)
 
     return rule
@@ -245,8 +256,8 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, out_dtyp
     f16 only), the persistent one in every layout with 4 stages, the f16-accumulating
     one for f16 in every layout with 3. `stages=None` takes the kernel's own depth.
     XLA_KERNEL lowers to XLA's dot. `rules`: the dispatcher's rules picked `kernel` (policy
-    "auto"), so vmap asks them again for the batched shape (_batching.py); a kind asked
-    for by name, or by policy "kernel", is kept.
+    "auto"), so vmap asks them again for the batched shape (_batching.py) and each device
+    for its shards (_cuda_impl); a kind asked for by name, or by policy "kernel", is kept.
     """
     if kernel not in KERNELS and kernel != XLA_KERNEL:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)} or {XLA_KERNEL!r}, got {kernel!r}")

@@ -210,8 +210,8 @@ def _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b, result_shape=
     return plan, _shardings(mesh, len(a.shape), len(b.shape), transpose_a, transpose_b, plan)
 
 
-def _infer(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
-    del out_dtype, kernel, stages, result_shape
+def _infer(transpose_a, transpose_b, out_dtype, kernel, stages, rules, mesh, arg_shapes, result_shape):
+    del out_dtype, kernel, stages, rules, result_shape
     return _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b)[1][2]
 
 
@@ -244,11 +244,12 @@ def _per_device_product(local_impl, k_axes, out_dtype, **params):
     return product
 
 
-def _partition(local_impl, transpose_a, transpose_b, out_dtype, kernel, stages, mesh, arg_shapes, result_shape):
+def _partition(local_impl, transpose_a, transpose_b, out_dtype, kernel, stages, rules, mesh, arg_shapes,
+               result_shape):
     plan, (a_sharding, b_sharding, out_sharding) = _operand_shardings(mesh, arg_shapes, transpose_a, transpose_b,
                                                                       result_shape)
     lower_fn = _per_device_product(local_impl, plan.k, out_dtype, transpose_a=transpose_a, transpose_b=transpose_b,
-                                   kernel=kernel, stages=stages)
+                                   kernel=kernel, stages=stages, rules=rules)
     return mesh, _without_context_mesh(lower_fn), out_sharding, (a_sharding, b_sharding)
 
 
@@ -269,7 +270,7 @@ def _shard_mapped(per_device, arg_shardings, out_sharding, result_sharding, *arg
 
 def _explicit(local_impl):
     """The lowering of gemm_p for operands typed with explicit mesh axes (_shard_mapped)."""
-    def impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
+    def impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rules=False):
         from jax_hopper._primitive import _mnk
 
         types = (jax.typeof(a), jax.typeof(b))
@@ -279,7 +280,7 @@ def _explicit(local_impl):
             return jnp.zeros(a.shape[:-2] + (m, n), out_dtype, out_sharding=result)
         plan, shardings = _operand_shardings(explicit_mesh(*types), types, transpose_a, transpose_b)
         per_device = _per_device_product(local_impl, plan.k, out_dtype, transpose_a=transpose_a,
-                                         transpose_b=transpose_b, kernel=kernel, stages=stages)
+                                         transpose_b=transpose_b, kernel=kernel, stages=stages, rules=rules)
         return _shard_mapped(per_device, shardings[:2], shardings[2], result, a, b)
 
     return impl
@@ -294,8 +295,8 @@ def _lead_factors(a_ndim, b_ndim):
     return "".join(f"l{i} " for i in range(a_ndim - 2)), ""
 
 
-def _sharding_rule(transpose_a, transpose_b, out_dtype, kernel, stages, mesh, value_types, result_types):
-    del out_dtype, kernel, stages, mesh, result_types
+def _sharding_rule(transpose_a, transpose_b, out_dtype, kernel, stages, rules, mesh, value_types, result_types):
+    del out_dtype, kernel, stages, rules, mesh, result_types
     lead, b_lead = _lead_factors(len(value_types[0].shape), len(value_types[1].shape))
     a = "k m" if transpose_a else "m k"
     b = "n k" if transpose_b else "k n"
@@ -391,13 +392,14 @@ def local_only_lowering(local_impl, xla_impl, multiple_results=False):
 
 
 def partitioned(local_impl):
-    """local_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages) -> C,
-    wrapped so XLA partitions it by the rules above."""
+    """local_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rules) -> C,
+    wrapped so XLA partitions it by the rules above (each device's local_impl sees its
+    shards' shapes, and `rules`, to pick its kind for them: _primitive._cuda_impl)."""
 
-    @functools.partial(custom_partitioning, static_argnums=(2, 3, 4, 5, 6))
-    def call(a, b, transpose_a, transpose_b, out_dtype, kernel, stages):
+    @functools.partial(custom_partitioning, static_argnums=(2, 3, 4, 5, 6, 7))
+    def call(a, b, transpose_a, transpose_b, out_dtype, kernel, stages, rules):
         return local_impl(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype, kernel=kernel,
-                          stages=stages)
+                          stages=stages, rules=rules)
 
     call.def_partition(
         partition=functools.partial(_partition, local_impl),
@@ -405,8 +407,8 @@ def partitioned(local_impl):
         sharding_rule=_sharding_rule,
     )
 
-    def impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages):
-        return call(a, b, transpose_a, transpose_b, out_dtype, kernel, stages)
+    def impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rules=False):
+        return call(a, b, transpose_a, transpose_b, out_dtype, kernel, stages, rules)
 
     return impl
 

@@ -155,6 +155,80 @@ def test_each_device_multiplies_only_its_shard():
         assert local in text
 
 
+# An odd-K product (only A's rows padded) that the rules send to our small-M kind whole
+# (2048 rows, 256 of its 64x128 tiles; _dispatch.kernel_for), measured 1.97x jnp.dot. Its
+# 512-row shards would be the default kernel's 16 tiles (a loss: the rules leave that to
+# XLA), and 2048-row shards of a 4x longer product, which runs the default kernel whole,
+# run the small-M kind.
+SHARD_ROWS_TO_XLA, SHARD_ROWS_TO_SMALL_M, SHARD_N, SHARD_K = 512, 2048, 1024, 4095
+SHARD_MESH_SIZE = 4
+
+
+def _custom_call_kinds(text):
+    """The `kernel` attribute of every jax_hopper_gemm call in a StableHLO module."""
+    return [int(k) for k in re.findall(r"custom_call @jax_hopper_gemm\(.*?kernel = (\d+)", text)]
+
+
+@pytest.mark.parametrize("rows, sharded, want", [
+    (SHARD_ROWS_TO_XLA * SHARD_MESH_SIZE, False, "small_m"),
+    (SHARD_ROWS_TO_XLA * SHARD_MESH_SIZE, True, "xla"),
+    (SHARD_ROWS_TO_SMALL_M * SHARD_MESH_SIZE, False, "persistent"),
+    (SHARD_ROWS_TO_SMALL_M * SHARD_MESH_SIZE, True, "small_m"),
+])
+def test_each_device_asks_the_rules_for_its_shards(rows, sharded, want):
+    """Under policy "auto" the kind is picked for the product's shape when it is traced,
+    and each device multiplies only its shards: the rules are asked again for those (a
+    shard outside what they measured goes to XLA's dot, or to the kind they pick there).
+    Explicit mesh axes plan the shards while lowering, so the lowered module shows each
+    device's pick (no device needed; lowered for CUDA from four CPU devices)."""
+    from jax_hopper._primitive import KERNELS
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < SHARD_MESH_SIZE:
+        pytest.skip(f"needs {SHARD_MESH_SIZE} CPU devices (conftest sets jax_num_cpu_devices)")
+    mm = jax.make_mesh((SHARD_MESH_SIZE,), ("x",), axis_types=(AxisType.Explicit,), devices=cpus[:SHARD_MESH_SIZE])
+    a = jax.ShapeDtypeStruct((rows, SHARD_K), jnp.float16, sharding=NamedSharding(mm, P("x" if sharded else None)))
+    b = jax.ShapeDtypeStruct((SHARD_K, SHARD_N), jnp.float16, sharding=NamedSharding(mm, P()))
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        with jax_hopper.dispatch("auto"):
+            assert jax_hopper.dispatch_path(a, b, DN)[0] == "kernel"  # the whole product is ours
+            text = jax.jit(jax_hopper.matmul).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    assert "sdy.manual_computation" in text  # each device's product in a shard_map
+    if want == "xla":
+        assert _custom_call_kinds(text) == [] and len(re.findall(r"stablehlo\.dot_general", text)) == 1
+    else:
+        assert _custom_call_kinds(text) == [KERNELS[want]] and "stablehlo.dot_general" not in text
+
+
+def test_partitioned_products_pass_each_device_its_shards_and_the_rules_flag():
+    """On Auto mesh axes custom_partitioning plans the shards inside XLA, after lowering:
+    its per-device body must still get the shards' shapes and the `rules` flag, which
+    _primitive._cuda_impl reads to pick each device's kind. A stand-in local product
+    records what it is given (and computes XLA's dot), compiled for these CPU devices."""
+    from jax_hopper._fallback import gemm_reference
+    from jax_hopper._primitive import DEFAULT_KERNEL, stages_of
+    from jax_hopper._sharding import partitioned
+
+    seen = []
+
+    def local(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rules):
+        seen.append((a.shape, b.shape, kernel, rules))
+        return gemm_reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
+
+    mm = mesh()
+    product = partitioned(local)
+    a = jax.device_put(_random(jax.random.key(40), (M, K)), NamedSharding(mm, P("x", None)))
+    b = jax.device_put(_random(jax.random.key(41), (K, N)), NamedSharding(mm, P(None, "y")))
+    for rules in (False, True):
+        seen.clear()
+        f = jax.jit(lambda x, y: product(x, y, transpose_a=False, transpose_b=False, out_dtype=jnp.dtype(jnp.float16),
+                                         kernel=DEFAULT_KERNEL, stages=stages_of(DEFAULT_KERNEL), rules=rules))
+        out = f(a, b)
+        local_shapes = ((M // MESH_SHAPE[0], K), (K, N // MESH_SHAPE[1]))
+        assert (*local_shapes, DEFAULT_KERNEL, rules) in seen, seen
+        assert_same_product(out, jnp.matmul(a, b), a, b, DN)
+
+
 def test_grad_under_sharding_matches_jnp():
     mm = mesh()
     a = jax.device_put(_random(jax.random.key(2), (M, K)), NamedSharding(mm, P("x", "y")))
