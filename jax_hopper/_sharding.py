@@ -17,6 +17,8 @@ shardings, through a shard_map planned while lowering (_shard_mapped says why):
                                 partials)
   one mesh axis on two roles -> the later role (N after M, K after both) is replicated
 
+Each device's product is the local impl on its shards, so where the dispatcher's rules
+picked the kind (`rules`) it picks again for the shards' shapes (_primitive._cuda_impl).
 Single-device programs and fully manual contexts (shard_map) inline the local product,
 so they lower exactly as without this wrapper. A shard_map body manual over only some
 mesh axes lowers XLA's dot instead (_partly_manual says why).
