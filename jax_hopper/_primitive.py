@@ -142,18 +142,21 @@ def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rul
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
         return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
-    # Under sharding this runs on each device's shards (_sharding.py), smaller than the
-    # product the rules picked the kind for: a kind the rules picked is picked again for
-    # them, so a shard outside what the rules measured goes to XLA's dot or another kind
-    # (an odd-K 2048x1024x4095 runs the small-M kind; its 512-row shards would be the
-    # default kernel's 16 tiles, a loss). Unsharded, the same shapes give the same kind.
-    from jax_hopper._dispatch import kind_for_shapes  # _dispatch imports this module
+    if rules:
+        # Under sharding this runs on each device's shards (_sharding.py), smaller than the
+        # product the rules picked the kind for: they pick again for the shards, so one
+        # outside what they measured goes to XLA's dot or another kind (an odd-K
+        # 2048x1024x4095 runs the small-M kind; its 512-row shards would be the default
+        # kernel's 16 tiles, a loss). Unsharded, the same shapes give the same kind. A
+        # kind asked for by name (small_m included: its shards are still one product in
+        # jnp.dot's layout) or by policy "kernel" runs as asked.
+        from jax_hopper._dispatch import kind_for_shapes  # _dispatch imports this module
 
-    picked = kind_for_shapes(kernel, rules, a.shape, b.shape, a.dtype, out_dtype, transpose_a, transpose_b)
-    if picked == XLA_KERNEL:
-        return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
-    if picked != kernel:
-        kernel, stages = picked, stages_of(picked)
+        picked = kind_for_shapes(kernel, rules, a.shape, b.shape, a.dtype, out_dtype, transpose_a, transpose_b)
+        if picked == XLA_KERNEL:
+            return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
+        if picked != kernel:
+            kernel, stages = picked, stages_of(picked)
     m, n, _, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
     # A [..., M, K] against a 2-D B keeps its leading dims: the FFI handler folds them into
     # M (contiguous rows), as a reshape here could not under explicit mesh axes.

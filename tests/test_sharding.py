@@ -200,6 +200,25 @@ def test_each_device_asks_the_rules_for_its_shards(rows, sharded, want):
         assert _custom_call_kinds(text) == [KERNELS[want]] and "stablehlo.dot_general" not in text
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_kind_asked_for_by_name_runs_on_every_shard(sharded):
+    """Only the rules' own picks are picked again: the small-M kind asked for by name on
+    an aligned 1024x4096x4096 (kernel_for would give it, and its 256-row shards, the
+    default kernel) lowers to the small-M kind, whole and on each device."""
+    from jax_hopper._primitive import KERNELS, SMALL_M_KERNEL, gemm
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < SHARD_MESH_SIZE:
+        pytest.skip(f"needs {SHARD_MESH_SIZE} CPU devices (conftest sets jax_num_cpu_devices)")
+    mm = jax.make_mesh((SHARD_MESH_SIZE,), ("x",), axis_types=(AxisType.Explicit,), devices=cpus[:SHARD_MESH_SIZE])
+    a = jax.ShapeDtypeStruct((1024, 4096), jnp.float16, sharding=NamedSharding(mm, P("x" if sharded else None)))
+    b = jax.ShapeDtypeStruct((4096, 4096), jnp.float16, sharding=NamedSharding(mm, P()))
+    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+        f = jax.jit(lambda x, y: gemm(x, y, kernel=SMALL_M_KERNEL))
+        text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_call_kinds(text) == [KERNELS[SMALL_M_KERNEL]]
+
+
 def test_partitioned_products_pass_each_device_its_shards_and_the_rules_flag():
     """On Auto mesh axes custom_partitioning plans the shards inside XLA, after lowering:
     its per-device body must still get the shards' shapes and the `rules` flag, which
