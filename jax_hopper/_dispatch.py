@@ -2,7 +2,9 @@
 
 The decision is made at trace time from the static problem, by a table of rules
 measured on the H200 (BENCHMARKS.md, "Dispatcher"): the first rule whose condition
-holds names the path. A rule exists only where a measurement backs it; the
+holds names the path. Where the table picked our kernel, it is asked again for the
+product as it finally runs: batched by vmap, and on each device's shards under sharding
+(kind_for_shapes). A rule exists only where a measurement backs it; the
 catch-all sends a product to XLA, because on shapes our kernel has not been shown to
 win, the safe answer is the one that never loses. Where the kernel cannot run (not
 built, or a CUDA GPU that is not a Hopper) a pick of the kernel becomes XLA's dot
@@ -615,7 +617,9 @@ def kind_for_shapes(kernel: str, rules: bool, a_shape, b_shape, dtype, out_dtype
     they are asked again for these shapes (XLA_KERNEL where they would leave it to XLA's
     dot); the small-M kind asked for by name or by policy "kernel", compiled for one
     product in jnp.dot's layout, is picked again by kernel_for; any other is kept. Shapes
-    with a symbolic dim keep the kind (there are no sizes to ask about)."""
+    with a symbolic dim keep the kind (there are no sizes to ask about). A K-split
+    product's shards are f32 partial sums (_sharding._per_device_product) and are judged
+    as such: the rules measured only 16-bit outputs there leave them to XLA's dot."""
     if not (rules or kernel == SMALL_M_KERNEL) or not numeric(*a_shape, *b_shape):
         return kernel
     problem = problem_of(a_shape, b_shape, dtype, out_dtype, transpose_a, transpose_b)

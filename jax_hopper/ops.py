@@ -311,7 +311,8 @@ def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element
                   accumulation="f32") -> tuple[str, str]:
     """Which path ``dot_general`` takes for these operands (arrays or ShapeDtypeStructs)
     under the current policy: ("kernel" | "xla", the dispatcher rule), or ("jax", why)
-    when the product is not eligible."""
+    when the product is not eligible. For the whole product: under sharding, a product
+    the rules send to our kernel is dispatched again on each device's shards."""
     _check_accumulation("dispatch_path", accumulation, lhs, rhs, precision, preferred_element_type)
     _, out, plan = _planned("dot_general", lhs, rhs, dimension_numbers, precision, preferred_element_type,
                             abstract_ok=True)

@@ -169,6 +169,21 @@ def _custom_call_kinds(text):
     return [int(k) for k in re.findall(r"custom_call @jax_hopper_gemm\(.*?kernel = (\d+)", text)]
 
 
+def _shard_mesh(axis_type):
+    """SHARD_MESH_SIZE CPU devices on one axis "x" (the lowering tests below lower for CUDA
+    from them); skips where those, or our built kernel, are missing."""
+    if not jax_hopper.kernel_available():
+        pytest.skip("without the built kernel every product lowers to XLA's dot")
+    cpus = jax.devices("cpu")
+    if len(cpus) < SHARD_MESH_SIZE:
+        pytest.skip(f"needs {SHARD_MESH_SIZE} CPU devices (conftest sets jax_num_cpu_devices)")
+    return jax.make_mesh((SHARD_MESH_SIZE,), ("x",), axis_types=(axis_type,), devices=cpus[:SHARD_MESH_SIZE])
+
+
+def _use(mm):
+    return jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm)
+
+
 @pytest.mark.parametrize("rows, sharded, want", [
     (SHARD_ROWS_TO_XLA * SHARD_MESH_SIZE, False, "small_m"),
     (SHARD_ROWS_TO_XLA * SHARD_MESH_SIZE, True, "xla"),
@@ -183,13 +198,10 @@ def test_each_device_asks_the_rules_for_its_shards(rows, sharded, want):
     device's pick (no device needed; lowered for CUDA from four CPU devices)."""
     from jax_hopper._primitive import KERNELS
 
-    cpus = jax.devices("cpu")
-    if len(cpus) < SHARD_MESH_SIZE:
-        pytest.skip(f"needs {SHARD_MESH_SIZE} CPU devices (conftest sets jax_num_cpu_devices)")
-    mm = jax.make_mesh((SHARD_MESH_SIZE,), ("x",), axis_types=(AxisType.Explicit,), devices=cpus[:SHARD_MESH_SIZE])
+    mm = _shard_mesh(AxisType.Explicit)
     a = jax.ShapeDtypeStruct((rows, SHARD_K), jnp.float16, sharding=NamedSharding(mm, P("x" if sharded else None)))
     b = jax.ShapeDtypeStruct((SHARD_K, SHARD_N), jnp.float16, sharding=NamedSharding(mm, P()))
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with _use(mm):
         with jax_hopper.dispatch("auto"):
             assert jax_hopper.dispatch_path(a, b, DN)[0] == "kernel"  # the whole product is ours
             text = jax.jit(jax_hopper.matmul).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
@@ -207,16 +219,64 @@ def test_a_kind_asked_for_by_name_runs_on_every_shard(sharded):
     default kernel) lowers to the small-M kind, whole and on each device."""
     from jax_hopper._primitive import KERNELS, SMALL_M_KERNEL, gemm
 
-    cpus = jax.devices("cpu")
-    if len(cpus) < SHARD_MESH_SIZE:
-        pytest.skip(f"needs {SHARD_MESH_SIZE} CPU devices (conftest sets jax_num_cpu_devices)")
-    mm = jax.make_mesh((SHARD_MESH_SIZE,), ("x",), axis_types=(AxisType.Explicit,), devices=cpus[:SHARD_MESH_SIZE])
+    mm = _shard_mesh(AxisType.Explicit)
     a = jax.ShapeDtypeStruct((1024, 4096), jnp.float16, sharding=NamedSharding(mm, P("x" if sharded else None)))
     b = jax.ShapeDtypeStruct((4096, 4096), jnp.float16, sharding=NamedSharding(mm, P()))
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with _use(mm):
         f = jax.jit(lambda x, y: gemm(x, y, kernel=SMALL_M_KERNEL))
         text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_call_kinds(text) == [KERNELS[SMALL_M_KERNEL]]
+
+
+@pytest.mark.parametrize("size, want", [(16384, "xla"), (8191, "persistent")])
+def test_a_sharded_contraction_asks_the_rules_for_f32_partial_sums(size, want):
+    """With K split, each device multiplies into f32 partial sums, and the rules are asked
+    about that product: a 16384^3 that "wide-aligned" takes whole (16-bit output, the only
+    one it measured) runs XLA's dot on its K shards; an unaligned 8191 x 8191 x 8192 keeps
+    the default kernel (unaligned rows, f32 output or not)."""
+    from jax_hopper._primitive import DEFAULT_KERNEL, KERNELS, gemm
+
+    mm = _shard_mesh(AxisType.Explicit)
+    k = size + size % 2  # even, so that it splits over the mesh
+    a = jax.ShapeDtypeStruct((size, k), jnp.float16, sharding=NamedSharding(mm, P(None, "x")))
+    b = jax.ShapeDtypeStruct((k, size), jnp.float16, sharding=NamedSharding(mm, P("x", None)))
+    whole = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (a, b)]  # (jax asks an out_sharding of a K split)
+    with jax_hopper.dispatch("auto"):
+        assert jax_hopper.dispatch_path(*whole, DN) == ("kernel", "wide-aligned" if want == "xla" else "unaligned-rows")
+    with _use(mm):
+        f = jax.jit(lambda x, y: gemm(x, y, kernel=DEFAULT_KERNEL, rules=True))
+        text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    assert "sdy.manual_computation" in text and "stablehlo.all_reduce" in text  # f32 partial sums, summed
+    if want == "xla":
+        assert _custom_call_kinds(text) == [] and re.search(r"stablehlo\.dot_general.*-> tensor<\d+x\d+xf32>", text)
+    else:
+        assert _custom_call_kinds(text) == [KERNELS[want]] and "stablehlo.dot_general" not in text
+
+
+@pytest.mark.parametrize("rules, want", [(False, "small_m"), (True, "xla")])
+def test_auto_axes_partitioned_products_pick_their_kind_per_device(rules, want):
+    """On Auto mesh axes XLA's partitioner calls _partition while compiling; the body it
+    returns is each device's product on its shards: lowered for CUDA, an odd-K
+    2048x1024x4095 split over 4 devices by M runs XLA's dot on its 512-row shards where
+    the rules picked the small-M kind, and the small-M kind where it was asked for."""
+    from jax_hopper._primitive import KERNELS, SMALL_M_KERNEL, _cuda_impl, stages_of
+    from jax_hopper._sharding import _partition
+
+    mm = _shard_mesh(AxisType.Auto)
+    rows = SHARD_ROWS_TO_XLA * SHARD_MESH_SIZE
+    f16 = jnp.dtype(jnp.float16)
+    arg_shapes = (jax.ShapeDtypeStruct((rows, SHARD_K), f16, sharding=NamedSharding(mm, P("x", None))),
+                  jax.ShapeDtypeStruct((SHARD_K, SHARD_N), f16, sharding=NamedSharding(mm, P())))
+    result = jax.ShapeDtypeStruct((rows, SHARD_N), f16, sharding=NamedSharding(mm, P("x", None)))
+    _, per_device, out_sharding, _ = _partition(_cuda_impl, False, False, f16, SMALL_M_KERNEL,
+                                                stages_of(SMALL_M_KERNEL), rules, mm, arg_shapes, result)
+    assert out_sharding.spec == P("x", None)
+    shards = (jax.ShapeDtypeStruct((SHARD_ROWS_TO_XLA, SHARD_K), f16), jax.ShapeDtypeStruct((SHARD_K, SHARD_N), f16))
+    text = jax.jit(per_device).trace(*shards).lower(lowering_platforms=("cuda",)).as_text()
+    if want == "xla":
+        assert _custom_call_kinds(text) == [] and "stablehlo.dot_general" in text
+    else:
+        assert _custom_call_kinds(text) == [KERNELS[want]]
 
 
 def test_partitioned_products_pass_each_device_its_shards_and_the_rules_flag():
