@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_product, relative_error
+from helpers import assert_same_product, cuda_text, relative_error
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -204,7 +204,7 @@ def test_each_device_asks_the_rules_for_its_shards(rows, sharded, want):
     with _use(mm):
         with jax_hopper.dispatch("auto"):
             assert jax_hopper.dispatch_path(a, b, DN)[0] == "kernel"  # the whole product is ours
-            text = jax.jit(jax_hopper.matmul).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+            text = cuda_text(jax_hopper.matmul, a, b)
     assert "sdy.manual_computation" in text  # each device's product in a shard_map
     if want == "xla":
         assert _custom_call_kinds(text) == [] and len(re.findall(r"stablehlo\.dot_general", text)) == 1
@@ -223,8 +223,7 @@ def test_a_kind_asked_for_by_name_runs_on_every_shard(sharded):
     a = jax.ShapeDtypeStruct((1024, 4096), jnp.float16, sharding=NamedSharding(mm, P("x" if sharded else None)))
     b = jax.ShapeDtypeStruct((4096, 4096), jnp.float16, sharding=NamedSharding(mm, P()))
     with _use(mm):
-        f = jax.jit(lambda x, y: gemm(x, y, kernel=SMALL_M_KERNEL))
-        text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+        text = cuda_text(lambda x, y: gemm(x, y, kernel=SMALL_M_KERNEL), a, b)
     assert _custom_call_kinds(text) == [KERNELS[SMALL_M_KERNEL]]
 
 
@@ -244,8 +243,7 @@ def test_a_sharded_contraction_asks_the_rules_for_f32_partial_sums(size, want):
     with jax_hopper.dispatch("auto"):
         assert jax_hopper.dispatch_path(*whole, DN) == ("kernel", "wide-aligned" if want == "xla" else "unaligned-rows")
     with _use(mm):
-        f = jax.jit(lambda x, y: gemm(x, y, kernel=DEFAULT_KERNEL, rules=True))
-        text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+        text = cuda_text(lambda x, y: gemm(x, y, kernel=DEFAULT_KERNEL, rules=True), a, b)
     assert "sdy.manual_computation" in text and "stablehlo.all_reduce" in text  # f32 partial sums, summed
     if want == "xla":
         assert _custom_call_kinds(text) == [] and re.search(r"stablehlo\.dot_general.*-> tensor<\d+x\d+xf32>", text)
@@ -272,7 +270,7 @@ def test_auto_axes_partitioned_products_pick_their_kind_per_device(rules, want):
                                                 stages_of(SMALL_M_KERNEL), rules, mm, arg_shapes, result)
     assert out_sharding.spec == P("x", None)
     shards = (jax.ShapeDtypeStruct((SHARD_ROWS_TO_XLA, SHARD_K), f16), jax.ShapeDtypeStruct((SHARD_K, SHARD_N), f16))
-    text = jax.jit(per_device).trace(*shards).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_text(per_device, *shards)
     if want == "xla":
         assert _custom_call_kinds(text) == [] and "stablehlo.dot_general" in text
     else:
