@@ -336,7 +336,7 @@ def _dense_jvp(primals, tangents, **params):
     return checkpoint_name(y, PRODUCT_NAME), dy
 
 
-def _dense_jvp_unnamed(primals, tangents, *, activation, has_bias, has_residual):
+def _dense_jvp_unnamed(primals, tangents, *, activation, has_bias, has_residual, rules=False):
     x, w, bias, residual = primals
     dx, dw, dbias, dresidual = tangents
     optional_bias = bias if has_bias else None
@@ -359,10 +359,10 @@ def _dense_jvp_unnamed(primals, tangents, *, activation, has_bias, has_residual)
     f32 = jnp.float32
     dz = _z_tangent(x, w, dx, dw, dbias, has_bias)
     if activation is None:
-        y = fused_dense(x, w, optional_bias, residual if has_residual else None)
+        y = fused_dense(x, w, optional_bias, residual if has_residual else None, rules=rules)
         dy = dz
     else:
-        z = checkpoint_name(fused_dense(x, w, optional_bias, None), PRODUCT_NAME)
+        z = checkpoint_name(fused_dense(x, w, optional_bias, None, rules=rules), PRODUCT_NAME)
         y, dy = jax.jvp(ACTIVATION_FNS[activation], (z.astype(f32),), (dz.astype(f32),))
         if has_residual:
             y = y + residual.astype(f32)
@@ -375,12 +375,13 @@ def _dense_jvp_unnamed(primals, tangents, *, activation, has_bias, has_residual)
 ad.primitive_jvps[dense_p] = _dense_jvp
 
 
-def _dense_transpose(ct, x, w, bias, residual, *, activation, has_bias, has_residual):
+def _dense_transpose(ct, x, w, bias, residual, *, activation, has_bias, has_residual, rules=False):
     """jax.linear_transpose through a layer without activation, x w + b + r, linear in the
     one undefined operand (the others are constants, as in jnp's x @ w + b): the
     transposes of the maps its JVP uses (the product's own rules, the bias broadcast's
     sum), so they match jax.grad's and keep the operands' types (explicit shardings,
     shard_map's varying axes). grad itself never needs this (it transposes the JVP's maps)."""
+    del rules  # the transposed products are dispatched afresh
     if activation is not None:
         raise NotImplementedError(f"Transpose rule for 'jax_hopper_dense' with activation {activation!r}: "
                                   "the layer is not linear")

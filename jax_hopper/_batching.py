@@ -125,13 +125,14 @@ def _batch_rule(args, dims, **params):
 batching.primitive_batchers[gemm_p] = _batch_rule
 
 
-def _dense_batch_rule(args, dims, *, activation, has_bias, has_residual):
+def _dense_batch_rule(args, dims, *, activation, has_bias, has_residual, rules=False):
     """vmap over the fused dense primitive: a vmapped x (and residual) against shared
     weights and bias becomes a leading dim of x -- one fused launch. Anything else (per-example
     weights) is computed as the reference arithmetic, vmapped by jax."""
     x, w, bias, residual = args
     dx, dw, dbias, dres = dims
-    params = dict(activation=activation, has_bias=has_bias, has_residual=has_residual)
+    # With `rules`, the lowering asks them again for the batched layer (_fused._cuda_impl).
+    params = dict(activation=activation, has_bias=has_bias, has_residual=has_residual, rules=rules)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
     if dw is NOT_MAPPED and dbias is NOT_MAPPED and _dispatch.numeric(size):
         x = _to_front(x, dx, size)

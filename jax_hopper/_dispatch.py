@@ -10,7 +10,8 @@ win, the safe answer is the one that never loses. Where the kernel cannot run (n
 built, or a CUDA GPU that is not a Hopper) a pick of the kernel becomes XLA's dot
 (rule "kernel-unavailable", with one warning): the table was measured on the H200, and
 the kernel's stand-in elsewhere (for a fused dense layer, its f32-epilogue reference)
-is slower than jnp's own computation.
+is slower than jnp's own computation. A product with a dimension of 2^31 or more
+(KERNEL_MAX_DIM) is XLA's under every policy (rule "beyond-kernel-limits").
 
 The policy picks how the table is used:
   "auto"    follow the table (the default);
@@ -78,6 +79,12 @@ def dispatch(policy: str):
         _scoped_policy.reset(token)
 
 
+# The kernel's largest batch, M, N or K: its tile coordinates are int32 (cuda/gemm/gemm.cc
+# kMaxDim refuses more). Past it every policy's pick is XLA's dot (rule
+# "beyond-kernel-limits"), and the primitives compute through XLA (fits_kernel).
+KERNEL_MAX_DIM = 2**31 - 1
+BEYOND_KERNEL_LIMITS = "beyond-kernel-limits"
+
 H200_PEAK_FLOPS = 989e12  # dense f16/bf16 tensor-core peak
 H200_PEAK_BYTES_PER_S = 4.8e12  # HBM3e
 
@@ -99,6 +106,13 @@ class Problem:
     def operand_rows(self) -> tuple[int, int]:
         """Stored row lengths (elements) of A and B."""
         return (self.m if self.transpose_a else self.k, self.k if self.transpose_b else self.n)
+
+    @property
+    def fits_kernel(self) -> bool:
+        """Whether every dimension, and each stored row as TMA pads it, is within the
+        kernel's int32 tile coordinates (cuda/gemm/gemm.cc refuses larger ones)."""
+        padded_rows = (_round_up(row, TMA_ROW_MULTIPLE) for row in self.operand_rows)
+        return all(d <= KERNEL_MAX_DIM for d in (self.batch, self.m, self.n, self.k, *padded_rows))
 
     @property
     def rows_aligned(self) -> bool:
@@ -309,9 +323,10 @@ def choose_f16_accumulation(problem: Problem, policy: str | None = None) -> tupl
     measured faster (else the table's f32 choice), "xla" never."""
     policy = current_policy() if policy is None else policy
     if policy == "kernel":
-        return "kernel", "policy=kernel", True
+        path, rule = _runnable("kernel", "policy=kernel", problem, forced=True)
+        return path, rule, path == "kernel"
     if policy == "auto" and f16_accumulation_wins(problem):
-        path, rule = _runnable("kernel", "f16-accumulation")
+        path, rule = _runnable("kernel", "f16-accumulation", problem)
         return path, rule, path == "kernel"
     return (*choose(problem, policy), False)
 
@@ -353,8 +368,24 @@ def choose_dense(problem: Problem, activation: str | None, policy: str | None = 
     """(path, rule) for a fused dense layer act(x w + b) [+ r] (problem: x w)."""
     policy = current_policy() if policy is None else policy
     if policy == "auto" and fused_activation_wins(problem, activation):
-        return _runnable("kernel", "fused-activation")
+        return _runnable("kernel", "fused-activation", problem)
     return choose(problem, policy, fused=True)
+
+
+def layer_problem(x_shape, w_shape, dtype) -> Problem:
+    """The Problem of a fused dense layer's product x [..., K] w [K, N] (x's leading dims
+    folded into M, as the FFI handler folds them)."""
+    m, k = math.prod(x_shape[:-1]), x_shape[-1]
+    return problem_of((m, k), (k, w_shape[-1]), dtype, dtype, False, False)
+
+
+def layer_runs_kernel(x_shape, w_shape, dtype, activation: str | None) -> bool:
+    """Whether the rules (policy "auto") run a fused dense layer of these shapes on our
+    kernel: asked again for each device's shards (_fused._cuda_impl) of a layer they
+    picked the kernel for. A symbolic dim keeps the kernel (no sizes to ask about)."""
+    if not numeric(*x_shape, *w_shape):
+        return True
+    return choose_dense(layer_problem(x_shape, w_shape, dtype), activation, "auto")[0] == "kernel"
 
 
 # The MLP's backward form (ops.mlp): dz1 = (dy w2^T) * act'(z1) in one launch of our
@@ -393,9 +424,9 @@ def choose_activation_grad(problem: Problem, activation: str | None, policy: str
     if problem.n % TMA_WIDTH_MULTIPLE:
         return "xla", "hidden-width-not-multiple-of-8"
     if policy == "kernel":
-        return _runnable("kernel", "policy=kernel")
+        return _runnable("kernel", "policy=kernel", problem)
     if policy == "auto" and backward_form_wins(problem, bias_grad):
-        return _runnable("kernel", "backward-form-with-bias-gradient")
+        return _runnable("kernel", "backward-form-with-bias-gradient", problem)
     return "xla", "backward-form-slower"
 
 
@@ -482,11 +513,11 @@ def choose_dense_with_derivative(problem: Problem, activation: str | None,
     if problem.n % TMA_WIDTH_MULTIPLE:
         return "xla", "derivative-width-not-multiple-of-8"
     if policy == "kernel":
-        return _runnable("kernel", "policy=kernel")
+        return _runnable("kernel", "policy=kernel", problem)
     if policy == "auto" and fused_activation_wins(problem, activation):
-        return _runnable("kernel", "fused-activation")
+        return _runnable("kernel", "fused-activation", problem)
     if policy == "auto" and saved_derivative_wins(problem, activation):
-        return _runnable("kernel", "saved-derivative")
+        return _runnable("kernel", "saved-derivative", problem)
     return "xla", f"policy={policy}" if policy != "auto" else "derivative-kind-not-ahead"
 
 
@@ -495,12 +526,14 @@ def choose(problem: Problem, policy: str | None = None, fused: bool = False) -> 
     `fused`: the product of a fused dense layer (rules measured on plain products only
     do not apply)."""
     policy = current_policy() if policy is None else policy
+    if policy == "kernel":
+        return _runnable("kernel", "policy=kernel", problem, forced=True)
     if policy != "auto":
         return policy, f"policy={policy}"
     for rule in RULES:
         applies = rule.applies_fused if fused and rule.applies_fused is not None else rule.applies
         if (rule.fused_too or not fused) and applies(problem):
-            return _runnable(rule.path, rule.name)
+            return _runnable(rule.path, rule.name, problem)
     raise AssertionError("the rule table ends with a catch-all")
 
 
@@ -522,10 +555,13 @@ def picked_by_rules(rule: str) -> bool:
     return not rule.startswith("policy=")
 
 
-def _runnable(path: str, rule: str) -> tuple[str, str]:
-    """An "auto" pick, unless it is the kernel and the kernel cannot run here (policy
-    "kernel" still forces it: the primitive then computes through XLA, with a warning)."""
-    if path == "kernel":
+def _runnable(path: str, rule: str, problem: Problem, forced: bool = False) -> tuple[str, str]:
+    """A pick, unless it is the kernel and the kernel cannot run it: a dimension past the
+    kernel's limits, or no kernel here (unless `forced`, policy "kernel" for a product:
+    the primitive then computes through XLA, with a warning)."""
+    if path == "kernel" and not problem.fits_kernel:
+        return "xla", BEYOND_KERNEL_LIMITS
+    if path == "kernel" and not forced:
         reason = _ffi.kernel_unavailable_reason()
         if reason is not None:
             _ffi.warn_no_kernel_once(reason)
@@ -627,6 +663,15 @@ def kind_for_shapes(kernel: str, rules: bool, a_shape, b_shape, dtype, out_dtype
         return kernel_for(problem)
     path, _, kind = pick(problem, f16_accumulation=kernel == F16_ACCUMULATION_KERNEL, policy="auto")
     return XLA_KERNEL if path == "xla" else kind
+
+
+def fits_kernel(a_shape, b_shape, transpose_a: bool = False, transpose_b: bool = False) -> bool:
+    """Whether the kernel can take a primitive's operands of these shapes (as problem_of
+    reads them): every dimension within KERNEL_MAX_DIM. Shapes with a symbolic dim are
+    not judged here (no sizes; the primitives' callers keep those on XLA)."""
+    if not numeric(*a_shape, *b_shape):
+        return True
+    return problem_of(a_shape, b_shape, np.float16, np.float16, transpose_a, transpose_b).fits_kernel
 
 
 def problem_of(a_shape, b_shape, dtype, out_dtype, transpose_a: bool, transpose_b: bool) -> Problem:

@@ -19,11 +19,12 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from jax_hopper import _ffi
+from jax_hopper import _dispatch, _ffi
 from jax_hopper._dispatch import TMA_WIDTH_MULTIPLE
 from jax_hopper._fallback import (
     ACTIVATION_FNS,
     activation_grad_with_bias_grad_reference,
+    dense_like_jnp,
     dense_reference,
     dense_with_derivative_like_jnp,
     dense_with_derivative_reference,
@@ -54,8 +55,8 @@ def _optional(x, has):
     return x if has else None
 
 
-def _abstract_eval(x, w, bias, residual, *, activation, has_bias, has_residual):
-    del activation
+def _abstract_eval(x, w, bias, residual, *, activation, has_bias, has_residual, rules=False):
+    del activation, rules
     k = x.shape[-1]
     k_w, n = w.shape
     out_shape = x.shape[:-1] + (n,)
@@ -71,19 +72,29 @@ def _abstract_eval(x, w, bias, residual, *, activation, has_bias, has_residual):
     return x.update(shape=out_shape, dtype=x.dtype, weak_type=False, **extra)
 
 
-def _default_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
+def _default_impl(x, w, bias, residual, *, activation, has_bias, has_residual, rules=False):
+    del rules
     return dense_reference(x, w, _optional(bias, has_bias), _optional(residual, has_residual), activation=activation)
 
 
-def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual):
+def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual, rules=False):
     reason = _ffi.kernel_unavailable_reason()
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
         return _default_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
                              has_residual=has_residual)
-    if x.shape[-1] == 0:  # an empty contraction: the fused kinds have no zero-fill path
+    # An empty contraction (the fused kinds have no zero-fill path), or a dimension past
+    # the kernel's int32 limits: the kernel's arithmetic through XLA.
+    if x.shape[-1] == 0 or not _dispatch.fits_kernel(x.shape, w.shape):
         return _default_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
                              has_residual=has_residual)
+    if rules and not _dispatch.layer_runs_kernel(x.shape, w.shape, x.dtype, activation):
+        # Under sharding (or vmap) this layer's rows are a device's shard (or the batch's),
+        # not what the rules picked the fused kind for; where they would not pick it for
+        # these shapes, the layer is jnp's, as ops.dense computes it unsharded
+        # (_primitive._cuda_impl does the same for plain products).
+        return dense_like_jnp(x, w, _optional(bias, has_bias), _optional(residual, has_residual),
+                              activation=activation)
     # x's (and the residual's) leading dims fold into M in the FFI handler, not here (see
     # _primitive._cuda_impl).
     out_shape = x.shape[:-1] + (w.shape[1],)
@@ -101,16 +112,17 @@ mlir.register_lowering(dense_p, dense_lowering(_cuda_impl, _default_impl), platf
 require_devices_at_lowering(dense_p)
 
 
-def fused_dense(x, w, bias=None, residual=None, *, activation=None):
+def fused_dense(x, w, bias=None, residual=None, *, activation=None, rules=False):
     """Binds the primitive for x [..., M, K], w [K, N], bias [N], residual [..., M, N] of
-    one 16-bit type (validated by ops.dense)."""
+    one 16-bit type (validated by ops.dense). `rules`: the dispatcher's rules picked the
+    fused kind (policy "auto"); they are asked again for each device's shards."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATIONS if a)} or None, "
                          f"got {activation!r}")
     operands = _match_varying_axes(x, w, _absent(x.dtype) if bias is None else bias,
                                    _absent(x.dtype) if residual is None else residual)
     return dense_p.bind(*operands, activation=activation, has_bias=bias is not None,
-                        has_residual=residual is not None)
+                        has_residual=residual is not None, rules=bool(rules))
 
 
 # ---- the backward form: dz = (g @ w^T) * act'(z), and its bias gradient -----------------
@@ -162,8 +174,9 @@ def _grad_cuda_impl(g, w, z, *, activation, bias_grad):
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
         return _grad_default_impl(g, w, z, activation=activation, bias_grad=bias_grad)
-    # z and the result go through TMA (see above); an empty contraction has no kernel path.
-    if z.shape[-1] % TMA_WIDTH_MULTIPLE or g.shape[-1] == 0:
+    # z and the result go through TMA (see above); an empty contraction has no kernel
+    # path; the kernel's int32 limits.
+    if z.shape[-1] % TMA_WIDTH_MULTIPLE or g.shape[-1] == 0 or not _dispatch.fits_kernel(g.shape, w.shape, False, True):
         return _grad_default_impl(g, w, z, activation=activation, bias_grad=bias_grad)
     n = z.shape[-1]
     row_blocks = -(-math.prod(z.shape[:-1]) // COLUMN_SUM_ROWS)
@@ -228,7 +241,8 @@ def _derivative_cuda_impl(x, w, bias, *, activation, has_bias):
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
         return _derivative_default_impl(x, w, bias, activation=activation, has_bias=has_bias)
-    if w.shape[1] % TMA_WIDTH_MULTIPLE or x.shape[-1] == 0:  # D by TMA only; no empty-K path
+    # D by TMA only; no empty-K path; the kernel's int32 limits.
+    if w.shape[1] % TMA_WIDTH_MULTIPLE or x.shape[-1] == 0 or not _dispatch.fits_kernel(x.shape, w.shape):
         return _derivative_default_impl(x, w, bias, activation=activation, has_bias=has_bias)
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[1],), x.dtype)
     x, w = _pad_for_tma(x, w, False, False)

@@ -138,6 +138,8 @@ def _reference(a, b, *, transpose_a, transpose_b, out_dtype):
 
 
 def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rules=False):
+    from jax_hopper._dispatch import fits_kernel, kind_for_shapes  # _dispatch imports this module
+
     reason = _ffi.kernel_unavailable_reason()
     if reason is not None:
         _ffi.warn_no_kernel_once(reason)
@@ -150,13 +152,13 @@ def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rul
         # kernel's 16 tiles, a loss). Unsharded, the same shapes give the same kind. A
         # kind asked for by name (small_m included: its shards are still one product in
         # jnp.dot's layout) or by policy "kernel" runs as asked.
-        from jax_hopper._dispatch import kind_for_shapes  # _dispatch imports this module
-
         picked = kind_for_shapes(kernel, rules, a.shape, b.shape, a.dtype, out_dtype, transpose_a, transpose_b)
         if picked == XLA_KERNEL:
             return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
         if picked != kernel:
             kernel, stages = picked, stages_of(picked)
+    if not fits_kernel(a.shape, b.shape, transpose_a, transpose_b):  # a kind forced past the kernel's int32 limits
+        return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
     m, n, _, _ = _mnk(a.shape, b.shape, transpose_a, transpose_b)
     # A [..., M, K] against a 2-D B keeps its leading dims: the FFI handler folds them into
     # M (contiguous rows), as a reshape here could not under explicit mesh axes.

@@ -18,7 +18,8 @@ shardings, through a shard_map planned while lowering (_shard_mapped says why):
   one mesh axis on two roles -> the later role (N after M, K after both) is replicated
 
 Each device's product is the local impl on its shards, so where the dispatcher's rules
-picked the kind (`rules`) it picks again for the shards' shapes (_primitive._cuda_impl).
+picked the kind (`rules`) it picks again for the shards' shapes (_primitive._cuda_impl;
+for the fused dense layer, _fused._cuda_impl).
 Single-device programs and fully manual contexts (shard_map) inline the local product,
 so they lower exactly as without this wrapper. A shard_map body manual over only some
 mesh axes lowers XLA's dot instead (_partly_manual says why).
@@ -418,7 +419,8 @@ def partitioned(local_impl):
 # ---- the fused dense primitive (x [..., M, K], w [K, N], bias [N], residual [..., M, N])
 # M and N shard as for a plain product, bias with N, residual with the output. A sharded
 # K cannot go through the fused epilogue (it needs the whole sum): each device computes
-# its f32 partial product with our plain GEMM, the partials are psum'd, and the epilogue
+# its f32 partial product with our plain GEMM (the rules asked again where they picked
+# the layer's kind: gemm_p's `rules`), the partials are psum'd, and the epilogue
 # runs on the sum through XLA. An absent bias / residual is passed as an empty (0,) array, replicated.
 
 
@@ -430,29 +432,30 @@ def _dense_shardings(mesh, arg_shapes, has_bias, has_residual, result_shape=None
     return plan.k, (x_s, w_s, bias_s, residual_s), out_s
 
 
-def _dense_infer(activation, has_bias, has_residual, mesh, arg_shapes, result_shape):
-    del activation, result_shape
+def _dense_infer(activation, has_bias, has_residual, rules, mesh, arg_shapes, result_shape):
+    del activation, rules, result_shape
     return _dense_shardings(mesh, arg_shapes, has_bias, has_residual)[2]
 
 
-def _dense_partition(local_impl, activation, has_bias, has_residual, mesh, arg_shapes, result_shape):
+def _dense_partition(local_impl, activation, has_bias, has_residual, rules, mesh, arg_shapes, result_shape):
     k_axes, arg_shardings, out_sharding = _dense_shardings(mesh, arg_shapes, has_bias, has_residual, result_shape)
-    per_device = _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual)
+    per_device = _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual, rules)
     return mesh, _without_context_mesh(per_device), out_sharding, arg_shardings
 
 
-def _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual):
-    """Each device's fused layer; with K split, f32 partial products, psum, then the
-    epilogue through XLA on the sum."""
+def _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual, rules):
+    """Each device's fused layer (where the rules picked the kind, `rules`, they pick
+    again for its shards: _fused._cuda_impl); with K split, f32 partial products (also
+    picked again), psum, then the epilogue through XLA on the sum."""
     from jax_hopper._fallback import dense_epilogue
     from jax_hopper._primitive import DEFAULT_KERNEL, DEFAULT_STAGES, gemm_p
 
     def layer(x, w, bias, residual):
         if not k_axes:
             return local_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
-                              has_residual=has_residual)
+                              has_residual=has_residual, rules=rules)
         partial = gemm_p.bind(x, w, transpose_a=False, transpose_b=False, out_dtype=_F32, kernel=DEFAULT_KERNEL,
-                              stages=DEFAULT_STAGES)
+                              stages=DEFAULT_STAGES, rules=rules)
         return dense_epilogue(jax.lax.psum(partial, k_axes), bias if has_bias else None,
                               residual if has_residual else None, activation=activation, dtype=x.dtype)
 
@@ -461,7 +464,7 @@ def _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual):
 
 def _dense_explicit(local_impl):
     """The fused layer's lowering for operands typed with explicit mesh axes (_shard_mapped)."""
-    def impl(x, w, bias, residual, *, activation, has_bias, has_residual):
+    def impl(x, w, bias, residual, *, activation, has_bias, has_residual, rules=False):
         from jax_hopper._fallback import dense_epilogue
 
         types = tuple(jax.typeof(v) for v in (x, w, bias, residual))
@@ -472,30 +475,39 @@ def _dense_explicit(local_impl):
                                   activation=activation, dtype=x.dtype)
         mesh = explicit_mesh(*types)
         k_axes, arg_shardings, out_sharding = _dense_shardings(mesh, types, has_bias, has_residual)
-        per_device = _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual)
+        per_device = _per_device_dense(local_impl, k_axes, activation, has_bias, has_residual, rules)
         return _shard_mapped(per_device, arg_shardings, out_sharding, result, x, w, bias, residual)
 
     return impl
 
 
-def _dense_sharding_rule(activation, has_bias, has_residual, mesh, value_types, result_types):
-    del activation, mesh, result_types
+def _dense_sharding_rule(activation, has_bias, has_residual, rules, mesh, value_types, result_types):
+    del activation, rules, mesh, result_types
     lead, _ = _lead_factors(len(value_types[0].shape), 2)
     bias = "n" if has_bias else "p"
     residual = f"{lead}m n" if has_residual else "q"
     return f"{lead}m k, k n, {bias}, {residual} -> {lead}m n", {"reduction_factors": ("k",)}
 
 
-def dense_lowering(local_impl, xla_impl):
-    """lowering() for the fused dense primitive: local_impl(x, w, bias, residual,
-    **params) on one device, partitioned by the rules above on several."""
-    @functools.partial(custom_partitioning, static_argnums=(4, 5, 6))
-    def call(x, w, bias, residual, activation, has_bias, has_residual):
-        return local_impl(x, w, bias, residual, activation=activation, has_bias=has_bias, has_residual=has_residual)
+def dense_partitioned(local_impl):
+    """local_impl(x, w, bias, residual, *, activation, has_bias, has_residual, rules),
+    wrapped so XLA partitions it by the rules above (each device's local_impl sees its
+    shards' shapes, and `rules`: _fused._cuda_impl)."""
+    @functools.partial(custom_partitioning, static_argnums=(4, 5, 6, 7))
+    def call(x, w, bias, residual, activation, has_bias, has_residual, rules):
+        return local_impl(x, w, bias, residual, activation=activation, has_bias=has_bias, has_residual=has_residual,
+                          rules=rules)
 
     call.def_partition(partition=functools.partial(_dense_partition, local_impl),
                        infer_sharding_from_operands=_dense_infer, sharding_rule=_dense_sharding_rule)
-    def impl(x, w, bias, residual, *, activation, has_bias, has_residual):
-        return call(x, w, bias, residual, activation, has_bias, has_residual)
 
-    return _local_or_partitioned(local_impl, impl, _dense_explicit(local_impl), xla_impl)
+    def impl(x, w, bias, residual, *, activation, has_bias, has_residual, rules=False):
+        return call(x, w, bias, residual, activation, has_bias, has_residual, rules)
+
+    return impl
+
+
+def dense_lowering(local_impl, xla_impl):
+    """lowering() for the fused dense primitive: local_impl(x, w, bias, residual,
+    **params) on one device, partitioned by the rules above on several."""
+    return _local_or_partitioned(local_impl, dense_partitioned(local_impl), _dense_explicit(local_impl), xla_impl)

@@ -597,15 +597,17 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     if jnp.dtype(dtype) not in KERNEL_DTYPES or not _constant_shapes(x, w):
         return dense_like_jnp(x, w, bias, residual, activation=activation)
-    m, k = math.prod(x.shape[:-1]), x.shape[-1]
-    problem = _dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)
-    if not (min(m, n, k) > 0 and _dispatch.choose_dense(problem, activation)[0] == "kernel"):
+    problem = _dispatch.layer_problem(x.shape, w.shape, dtype)
+    path, rule = _dispatch.choose_dense(problem, activation)
+    if not (min(problem.m, problem.n, problem.k) > 0 and path == "kernel"):
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     # Leading dims of x stay: the primitive folds them into M on each device, so a
     # sharded one (a sequence dim) keeps its sharding.
     x2 = x.reshape(1, k) if x.ndim == 1 else x
     r2 = None if residual is None else residual.reshape(x2.shape[:-1] + (n,))
-    return fused_dense(x2, w, bias, r2, activation=activation).reshape(out_shape)  # named where differentiated
+    # Where the rules picked the kernel they pick again on each device's shards (_fused._cuda_impl).
+    out = fused_dense(x2, w, bias, r2, activation=activation, rules=_dispatch.picked_by_rules(rule))
+    return out.reshape(out_shape)  # named where differentiated
 
 
 def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):

@@ -287,6 +287,29 @@ def test_xla_path_is_jnps_own_computation(activation):
     assert bool((out == mine).all())
 
 
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
+def test_a_layer_the_rules_leave_to_xla_on_its_shards_is_jnps(activation):
+    """Under sharding each device's body is _fused._cuda_impl on its shards; where the
+    rules picked the fused kind for the whole layer (rules=True) but would not for these
+    shapes, the device computes jnp's layer, bit for bit, as the same shapes unsharded do
+    (called directly here: this branch emits no custom call, so it runs anywhere)."""
+    from jax_hopper import _dispatch
+    from jax_hopper._fallback import ACTIVATION_FNS
+    from jax_hopper._fused import _cuda_impl
+
+    if not jax_hopper.kernel_available():
+        pytest.skip("without the built kernel the impl computes the reference arithmetic first")
+    x, w, b, r = _operands((48, 64), 32, jnp.float16, seed=5)
+    assert not _dispatch.layer_runs_kernel(x.shape, w.shape, x.dtype, activation)
+
+    def shard(x, w, b, r):
+        return _cuda_impl(x, w, b, r, activation=activation, has_bias=True, has_residual=True, rules=True)
+
+    out = jax.jit(shard)(x, w, b, r)
+    mine = jax.jit(lambda x, w, b, r: ACTIVATION_FNS[activation](x @ w + b) + r)(x, w, b, r)
+    assert out.dtype == mine.dtype and bool((out == mine).all())
+
+
 def test_gradient_where_only_the_activation_picked_the_kernel_is_jnps(monkeypatch):
     """The fused-activation rule picks our kernel for the forward value; its gradient
     cannot use the fused activation, and the plain product is XLA's: the derivative is

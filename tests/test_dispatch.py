@@ -238,6 +238,50 @@ def test_every_rule_states_its_evidence():
         assert rule.path in ("kernel", "xla") and len(rule.evidence) > 20, rule
 
 
+LIMIT = _dispatch.KERNEL_MAX_DIM  # 2^31 - 1: the kernel's tile coordinates are int32
+
+
+@pytest.mark.parametrize("a_shape, b_shape, fits", [
+    ((LIMIT, 8), (8, 8), True),                  # M at the limit
+    ((LIMIT + 1, 8), (8, 8), False),             # M past it (32 GiB of f16: an H200 holds it)
+    ((2, 2**30, 8), (8, 8), False),              # leading dims folded into M past it
+    ((8, LIMIT + 1), (LIMIT + 1, 8), False),     # K past it
+    ((8, LIMIT), (LIMIT, 8), False),             # K at it, but A's stored rows padded past it for TMA
+], ids=["M-at-limit", "M-past", "folded-M-past", "K-past", "K-padded-past"])
+def test_products_past_the_kernels_limits_are_xlas_under_every_policy(a_shape, b_shape, fits):
+    """cuda/gemm/gemm.cc refuses a dimension of 2^31 or more, when the program runs. XLA
+    computes such products, so they are XLA's dot under every policy (dispatch_path says
+    why), and each primitive bound onto our kernel directly computes them through XLA."""
+    from jax_hopper._ffi import GEMM_FUSED_DERIVATIVE_TARGET, GEMM_FUSED_GRAD_TARGET, GEMM_FUSED_TARGET
+    from jax_hopper._fused import fused_activation_grad, fused_dense, fused_dense_with_derivative
+    from jax_hopper._primitive import DEFAULT_KERNEL, gemm
+
+    f16 = jnp.float16
+    a, b = jax.ShapeDtypeStruct(a_shape, f16), jax.ShapeDtypeStruct(b_shape, f16)
+    dn = (((len(a_shape) - 1,), (0,)), ((), ()))
+    out_shape = a_shape[:-1] + b_shape[-1:]
+    g, z = jax.ShapeDtypeStruct(a_shape, f16), jax.ShapeDtypeStruct(out_shape, f16)
+    w_nk = jax.ShapeDtypeStruct(b_shape[::-1], f16)  # the backward form reads w [N, K]
+    with jax_hopper.dispatch("kernel"):
+        assert jax_hopper.dispatch_path(a, b, dn) == (("kernel", "policy=kernel") if fits else
+                                                      ("xla", _dispatch.BEYOND_KERNEL_LIMITS))
+        lowered = {
+            "matmul": (TARGET, cuda_text(lambda x, y: jax_hopper.matmul(x, y), a, b)),
+            "dense": (GEMM_FUSED_TARGET, cuda_text(lambda x, y: jax_hopper.dense(x, y, activation="relu"), a, b)),
+        }
+    lowered.update({
+        "gemm": (TARGET, cuda_text(lambda x, y: gemm(x, y, kernel=DEFAULT_KERNEL), a, b)),
+        "fused_dense": (GEMM_FUSED_TARGET, cuda_text(lambda x, y: fused_dense(x, y, activation="silu"), a, b)),
+        "with_derivative": (GEMM_FUSED_DERIVATIVE_TARGET,
+                            cuda_text(lambda x, y: fused_dense_with_derivative(x, y, activation="silu"), a, b)),
+        "backward_form": (GEMM_FUSED_GRAD_TARGET, cuda_text(
+            lambda g, w, z: fused_activation_grad(g, w, z, activation="silu", bias_grad=True), g, w_nk, z)),
+    })
+    wrong = [name for name, (target, text) in lowered.items()
+             if re.findall(r"stablehlo\.custom_call @(\S+)\(", text) != ([target] if fits else [])]
+    assert not wrong
+
+
 def _dense_problem(m, k, n, dtype=jnp.float16):
     return _dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)
 

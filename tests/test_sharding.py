@@ -277,6 +277,95 @@ def test_auto_axes_partitioned_products_pick_their_kind_per_device(rules, want):
         assert _custom_call_kinds(text) == [KERNELS[want]]
 
 
+# A fused dense layer the rules put on the fused kind ("fused-activation": every dimension
+# >= 4096). M-sharded over 4 devices, its 2048-row shards are still the fused kind's with
+# exact GELU (one of M, K down to 2048 with N >= 8192 was measured ahead) but not with
+# tanh-GELU (measured ahead only with every dimension >= 4096).
+LAYER_ROWS, LAYER_K, LAYER_N = 8192, 4096, 8192
+
+
+def _fused_calls(text):
+    return len(re.findall(r"custom_call @jax_hopper_gemm_fused\(", text))
+
+
+def _layer_operands(mm, x_spec, w_spec=P()):
+    f16 = jnp.float16
+    return (jax.ShapeDtypeStruct((LAYER_ROWS, LAYER_K), f16, sharding=NamedSharding(mm, x_spec)),
+            jax.ShapeDtypeStruct((LAYER_K, LAYER_N), f16, sharding=NamedSharding(mm, w_spec)),
+            jax.ShapeDtypeStruct((LAYER_N,), f16, sharding=NamedSharding(mm, P())))
+
+
+@pytest.mark.parametrize("activation, policy, sharded, fused", [
+    ("gelu_tanh", "auto", False, True),
+    ("gelu_tanh", "auto", True, False),
+    ("gelu_exact", "auto", True, True),
+    ("gelu_tanh", "kernel", True, True),
+])
+def test_each_device_asks_the_rules_for_its_fused_layer(activation, policy, sharded, fused):
+    """As for plain products: where the rules picked the fused kind for the whole layer,
+    each device's shards are asked about again, and a shard outside what they measured
+    is jnp's layer (XLA's dot with a 16-bit result, then bias and activation), as the
+    same shapes unsharded are. Policy "kernel" keeps the fused kind on every shard."""
+    mm = _shard_mesh(AxisType.Explicit)
+    x, w, b = _layer_operands(mm, P("x" if sharded else None))
+    with _use(mm):
+        with jax_hopper.dispatch(policy):
+            text = cuda_text(lambda x, w, b: jax_hopper.dense(x, w, b, activation=activation), x, w, b)
+    assert "sdy.manual_computation" in text
+    if fused:
+        assert _fused_calls(text) == 1 and "stablehlo.dot_general" not in text
+    else:
+        rows = LAYER_ROWS // SHARD_MESH_SIZE
+        assert _fused_calls(text) == 0 and _custom_call_kinds(text) == []
+        assert len(re.findall(rf"stablehlo\.dot_general.*-> tensor<{rows}x{LAYER_N}xf16>", text)) == 1
+
+
+@pytest.mark.parametrize("rules, fused", [(True, False), (False, True)])
+def test_auto_axes_fused_layers_pick_their_kind_per_device(rules, fused):
+    """Auto mesh axes: the per-device body _dense_partition returns, lowered for CUDA on
+    its 2048-row shards, is jnp's tanh-GELU layer where the rules picked the fused kind
+    for the whole layer, and the fused kind where it was forced (policy "kernel")."""
+    from jax_hopper._fused import _cuda_impl
+    from jax_hopper._sharding import _dense_partition
+
+    mm = _shard_mesh(AxisType.Auto)
+    x, w, b = _layer_operands(mm, P("x", None))
+    absent = jax.ShapeDtypeStruct((0,), jnp.float16, sharding=NamedSharding(mm, P()))
+    result = jax.ShapeDtypeStruct((LAYER_ROWS, LAYER_N), jnp.float16, sharding=NamedSharding(mm, P("x", None)))
+    _, per_device, out_sharding, _ = _dense_partition(_cuda_impl, "gelu_tanh", True, False, rules, mm,
+                                                      (x, w, b, absent), result)
+    assert out_sharding.spec == P("x", None)
+    rows = LAYER_ROWS // SHARD_MESH_SIZE
+    shards = [jax.ShapeDtypeStruct(shape, jnp.float16) for shape in ((rows, LAYER_K), w.shape, b.shape, (0,))]
+    text = cuda_text(per_device, *shards)
+    if fused:
+        assert _fused_calls(text) == 1 and "stablehlo.dot_general" not in text
+    else:
+        assert _fused_calls(text) == 0 and re.search(rf"stablehlo\.dot_general.*-> tensor<{rows}x{LAYER_N}xf16>", text)
+
+
+@pytest.mark.parametrize("rules, want", [(True, "xla"), (False, "persistent")])
+def test_a_fused_layer_with_k_split_asks_the_rules_for_its_partial_sums(rules, want):
+    """A K-split layer multiplies into f32 partial sums on each device (the epilogue then
+    runs on their sum): where the rules picked the layer's kind they are asked about those
+    products too, as for a plain K-split product (XLA's dot at 8192x8192x1024 with an f32
+    result, never measured on our kernel); a forced kind keeps our default kernel. (jax
+    refuses a K split under explicit axes in jnp.dot, so ops.dense does too: the primitive
+    is bound directly.)"""
+    from jax_hopper._fused import fused_dense
+    from jax_hopper._primitive import KERNELS
+
+    mm = _shard_mesh(AxisType.Explicit)
+    x, w, b = _layer_operands(mm, P(None, "x"), P("x", None))
+    with _use(mm):
+        text = cuda_text(lambda x, w, b: fused_dense(x, w, b, activation="gelu_tanh", rules=rules), x, w, b)
+    assert "stablehlo.all_reduce" in text and _fused_calls(text) == 0  # the epilogue runs on the sum
+    if want == "xla":
+        assert _custom_call_kinds(text) == [] and re.search(r"stablehlo\.dot_general.*-> tensor<\d+x\d+xf32>", text)
+    else:
+        assert _custom_call_kinds(text) == [KERNELS[want]] and "stablehlo.dot_general" not in text
+
+
 def test_partitioned_products_pass_each_device_its_shards_and_the_rules_flag():
     """On Auto mesh axes custom_partitioning plans the shards inside XLA, after lowering:
     its per-device body must still get the shards' shapes and the `rules` flag, which
@@ -304,6 +393,35 @@ def test_partitioned_products_pass_each_device_its_shards_and_the_rules_flag():
         local_shapes = ((M // MESH_SHAPE[0], K), (K, N // MESH_SHAPE[1]))
         assert (*local_shapes, DEFAULT_KERNEL, rules) in seen, seen
         assert_same_product(out, jnp.matmul(a, b), a, b, DN)
+
+
+def test_partitioned_fused_layers_pass_each_device_its_shards_and_the_rules_flag():
+    """As for plain products: custom_partitioning's per-device body of a fused layer gets
+    its shards' shapes and the `rules` flag, which _fused._cuda_impl reads (a stand-in
+    records them and computes the reference arithmetic on these CPU devices)."""
+    from jax_hopper._fallback import dense_reference
+    from jax_hopper._sharding import dense_partitioned
+
+    seen = []
+
+    def local(x, w, bias, residual, *, activation, has_bias, has_residual, rules):
+        seen.append((x.shape, w.shape, rules))
+        return dense_reference(x, w, bias if has_bias else None, residual if has_residual else None,
+                               activation=activation)
+
+    mm = mesh()
+    layer = dense_partitioned(local)
+    x = jax.device_put(_random(jax.random.key(42), (M, K)), NamedSharding(mm, P("x", None)))
+    w = jax.device_put(_random(jax.random.key(43), (K, N)), NamedSharding(mm, P(None, "y")))
+    b = jax.device_put(_random(jax.random.key(44), (N,)), NamedSharding(mm, P("y")))
+    absent = jnp.zeros((0,), jnp.float16)
+    for rules in (False, True):
+        seen.clear()
+        out = jax.jit(lambda x, w, b: layer(x, w, b, absent, activation="silu", has_bias=True, has_residual=False,
+                                            rules=rules))(x, w, b)
+        assert ((M // MESH_SHAPE[0], K), (K, N // MESH_SHAPE[1]), rules) in seen, seen
+        ref = dense_reference(x, w, b, None, activation="silu")
+        assert relative_error(out, ref.astype(jnp.float32)) < 1e-3  # the same arithmetic, by shards
 
 
 def test_grad_under_sharding_matches_jnp():
