@@ -20,7 +20,6 @@ run (policy "xla", no Hopper GPU) the product is XLA's, with f32 sums.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -603,7 +602,7 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     # Leading dims of x stay: the primitive folds them into M on each device, so a
     # sharded one (a sequence dim) keeps its sharding.
-    x2 = x.reshape(1, k) if x.ndim == 1 else x
+    x2 = x.reshape(1, problem.k) if x.ndim == 1 else x
     r2 = None if residual is None else residual.reshape(x2.shape[:-1] + (n,))
     # Where the rules picked the kernel they pick again on each device's shards (_fused._cuda_impl).
     out = fused_dense(x2, w, bias, r2, activation=activation, rules=_dispatch.picked_by_rules(rule))

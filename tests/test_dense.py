@@ -67,6 +67,20 @@ def test_value_is_the_fused_arithmetic(activation, dtype, with_bias, with_residu
     assert_close_to_reference(out, x, w, b, r, activation)
 
 
+@pytest.mark.parametrize("activation", ["gelu_tanh", None])
+def test_a_vector_x_is_one_row_of_the_fused_layer(activation):
+    """x [K] (and residual [N]): one fused launch on a single row, shaped as jnp's."""
+    x, w, b, r = _operands((40,), 72, jnp.float16)
+
+    def layer(x, w, b, r):
+        return jax_hopper.dense(x, w, b, activation=activation, residual=r)
+
+    assert re.findall(r"stablehlo\.custom_call @(\S+)\(", cuda_text(layer, x, w, b, r)) == ["jax_hopper_gemm_fused"]
+    out = jax.jit(layer)(x, w, b, r)
+    assert out.shape == (72,) and out.dtype == jnp.float16
+    assert_close_to_reference(out, x, w, b, r, activation)
+
+
 def test_kernel_policy_lowers_to_one_fused_call():
     x, w, b, r = _operands((256, 128), 512, jnp.float16)
     with jax_hopper.dispatch("kernel"):
