@@ -555,7 +555,9 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     operands share one 16-bit type; then the dispatcher picks the fused kernel (rule
     "fused-activation" where it was measured faster, policy "kernel" always) or XLA,
     computing it as jnp would: ``act(x @ w + bias) + residual`` on 16-bit values (the
-    same answers as the user's own jnp, at its speed). Differentiable (each product of
+    same answers as the user's own jnp, at its speed). Operands promoting to another type
+    (an f32 bias with f16 x and w: jnp rounds x @ w to f16 before adding it) are
+    computed as jnp would, too. Differentiable (each product of
     the derivative is dispatched like a plain product; where only the activation picked
     the kernel, the value and gradient under differentiation are jnp's -- except exact
     GELU, tanh-GELU and SiLU without a residual where the derivative kind runs
@@ -582,7 +584,10 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     # keeps. x or w that the layer's type cannot hold exactly (int32 x against a bf16 bias;
     # a weak f32 x), or an integer pair: jnp multiplies them in their own type, then rounds.
     # A jax_default_matmul_precision naming an algorithm: jnp's x @ w follows it.
-    if weak or not _converts_exactly(dtype, x, w) or not _multiplied_as_floats(x, w) or not _plain_precision(None):
+    # A layer type that is not one of the kernel's (an f32 bias with 16-bit x and w): jnp
+    # multiplies x and w in their own type and rounds before adding the bias.
+    if (weak or not _converts_exactly(dtype, x, w) or not _multiplied_as_floats(x, w) or not _plain_precision(None)
+            or jnp.dtype(dtype) not in KERNEL_DTYPES):
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
@@ -594,7 +599,7 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     residual = None if residual is None else jnp.asarray(residual, dtype)
     if _epilogue_changes_result_type(x, w, bias, residual):  # (explicit mesh axes) jnp's sum combines the shardings
         return dense_like_jnp(x, w, bias, residual, activation=activation)
-    if jnp.dtype(dtype) not in KERNEL_DTYPES or not _constant_shapes(x, w):
+    if not _constant_shapes(x, w):
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     problem = _dispatch.layer_problem(x.shape, w.shape, dtype)
     path, rule = _dispatch.choose_dense(problem, activation)

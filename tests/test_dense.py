@@ -260,14 +260,19 @@ def test_an_empty_contraction_lowers_to_xla_even_when_the_kernel_is_forced():
     assert not bool(jnp.any(dz)) and not bool(jnp.any(db)) and db.shape == (64,)
 
 
-def test_mixed_types_promote_like_jnp_and_skip_the_kernel():
-    x, w, _, _ = _operands((16, 32), 24, jnp.float16)
-    b = jnp.ones((24,), jnp.float32)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+def test_mixed_types_are_computed_as_jnp_would(dtype):
+    """16-bit x and w with an f32 bias (and residual): jnp multiplies in the 16-bit type,
+    rounds, then adds in f32. The layer gives jnp's answer bit for bit, even with the
+    kernel forced (the f32 layer type is not the kernel's)."""
+    x, w, b, r = _operands((16, 32), 24, dtype, seed=6)
+    b, r = b.astype(jnp.float32) + 0.1, r.astype(jnp.float32)  # + 0.1: values no 16-bit type holds
     with jax_hopper.dispatch("kernel"):
-        out = jax_hopper.dense(x, w, b, activation="relu")
+        out = jax.jit(lambda x, w, b, r: jax_hopper.dense(x, w, b, activation="silu", residual=r))(x, w, b, r)
         text = cuda_text(lambda x, w, b: jax_hopper.dense(x, w, b), x, w, b)
-    assert out.dtype == jnp.float32 and "custom_call" not in text
-    assert_close_to_reference(out, x, w, b, None, "relu")
+    mine = jax.jit(lambda x, w, b, r: jax.nn.silu(x @ w + b) + r)(x, w, b, r)  # as a user writes the layer
+    assert out.dtype == mine.dtype == jnp.float32 and "custom_call" not in text
+    assert bool((out == mine).all())
 
 
 def test_flax_layer_matches_linen_dense_with_the_same_parameters():
