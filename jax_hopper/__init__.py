@@ -10,7 +10,8 @@ derivative. ``dot_general``, ``dot`` and ``matmul`` are drop-ins for ``lax.dot_g
 Which eligible products run our kernel is the dispatcher's call (``dispatch_path``
 says which and why): by default ("auto") a table of rules measured on the H200 sends
 each shape to the faster of our kernel and XLA's dot; ``dispatch("kernel")`` (scoped)
-or ``set_dispatch("kernel")`` always runs ours.
+or ``set_dispatch("kernel")`` always runs ours (where the kernel can take the shape:
+every dimension below 2^31).
 """
 
 from jax_hopper import _ffi

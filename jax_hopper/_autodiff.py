@@ -362,7 +362,10 @@ def _dense_jvp_unnamed(primals, tangents, *, activation, has_bias, has_residual,
         y = fused_dense(x, w, optional_bias, residual if has_residual else None, rules=rules)
         dy = dz
     else:
-        z = checkpoint_name(fused_dense(x, w, optional_bias, None, rules=rules), PRODUCT_NAME)
+        # z's kind was picked by _kernel_chosen (the plain product's rules), which the fused
+        # layer's rules, asked again on shards (_fused._cuda_impl), can answer otherwise
+        # ("wide-aligned" is not theirs): z runs as picked.
+        z = checkpoint_name(fused_dense(x, w, optional_bias, None), PRODUCT_NAME)
         y, dy = jax.jvp(ACTIVATION_FNS[activation], (z.astype(f32),), (dz.astype(f32),))
         if has_residual:
             y = y + residual.astype(f32)

@@ -127,11 +127,13 @@ batching.primitive_batchers[gemm_p] = _batch_rule
 
 def _dense_batch_rule(args, dims, *, activation, has_bias, has_residual, rules=False):
     """vmap over the fused dense primitive: a vmapped x (and residual) against shared
-    weights and bias becomes a leading dim of x -- one fused launch. Anything else (per-example
-    weights) is computed as the reference arithmetic, vmapped by jax."""
+    weights and bias becomes a leading dim of x -- one fused launch (where the rules
+    picked the fused kind, `rules`, they are asked again for the batched layer, which is
+    jnp's where they would not fuse it). Anything else (per-example weights) is computed
+    as the reference arithmetic, vmapped by jax."""
     x, w, bias, residual = args
     dx, dw, dbias, dres = dims
-    # With `rules`, the lowering asks them again for the batched layer (_fused._cuda_impl).
+    # With `rules`, the lowering asks the rules again for the batched layer (_fused._cuda_impl).
     params = dict(activation=activation, has_bias=has_bias, has_residual=has_residual, rules=rules)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not NOT_MAPPED)
     if dw is NOT_MAPPED and dbias is NOT_MAPPED and _dispatch.numeric(size):

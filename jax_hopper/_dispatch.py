@@ -319,8 +319,8 @@ def f16_accumulation_wins(p: Problem) -> bool:
 
 def choose_f16_accumulation(problem: Problem, policy: str | None = None) -> tuple[str, str, bool]:
     """(path, rule, whether the f16-accumulating kernel runs) for a product whose
-    caller allows f16 accumulation: policy "kernel" always runs it, "auto" where it was
-    measured faster (else the table's f32 choice), "xla" never."""
+    caller allows f16 accumulation: policy "kernel" always runs it (within KERNEL_MAX_DIM),
+    "auto" where it was measured faster (else the table's f32 choice), "xla" never."""
     policy = current_policy() if policy is None else policy
     if policy == "kernel":
         path, rule = _runnable("kernel", "policy=kernel", problem, forced=True)

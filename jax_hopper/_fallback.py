@@ -50,7 +50,7 @@ def dense_like_jnp(x, w, bias, residual, *, activation):
     as accurate. (dense_reference, the kernel's arithmetic in f32, is the fallback
     where the kernel cannot run; differentiated, its f32 intermediates make the
     backward products f32 ones, measured 2x slower than jnp's on the H200.)"""
-    y = x @ w
+    y = jnp.matmul(x, w)  # (NumPy operands: jnp's product, not NumPy's on the host)
     if bias is not None:
         y = y + bias
     y = ACTIVATION_FNS[activation](y)

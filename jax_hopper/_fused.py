@@ -83,18 +83,18 @@ def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual, rule
         _ffi.warn_no_kernel_once(reason)
         return _default_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
                              has_residual=has_residual)
-    # An empty contraction (the fused kinds have no zero-fill path), or a dimension past
+    if x.shape[-1] and rules and not _dispatch.layer_runs_kernel(x.shape, w.shape, x.dtype, activation):
+        # Under sharding (or vmap) this layer's rows are a device's shard (or the batch's),
+        # not what the rules picked the fused kind for; where they would not pick it for
+        # these shapes (past the kernel's limits included), the layer is jnp's, as ops.dense
+        # computes it unsharded (_primitive._cuda_impl does the same for plain products).
+        return dense_like_jnp(x, w, _optional(bias, has_bias), _optional(residual, has_residual),
+                              activation=activation)
+    # An empty contraction (the fused kinds have no zero-fill path), or a kind forced past
     # the kernel's int32 limits: the kernel's arithmetic through XLA.
     if x.shape[-1] == 0 or not _dispatch.fits_kernel(x.shape, w.shape):
         return _default_impl(x, w, bias, residual, activation=activation, has_bias=has_bias,
                              has_residual=has_residual)
-    if rules and not _dispatch.layer_runs_kernel(x.shape, w.shape, x.dtype, activation):
-        # Under sharding (or vmap) this layer's rows are a device's shard (or the batch's),
-        # not what the rules picked the fused kind for; where they would not pick it for
-        # these shapes, the layer is jnp's, as ops.dense computes it unsharded
-        # (_primitive._cuda_impl does the same for plain products).
-        return dense_like_jnp(x, w, _optional(bias, has_bias), _optional(residual, has_residual),
-                              activation=activation)
     # x's (and the residual's) leading dims fold into M in the FFI handler, not here (see
     # _primitive._cuda_impl).
     out_shape = x.shape[:-1] + (w.shape[1],)

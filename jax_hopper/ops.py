@@ -553,7 +553,8 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     path: f32 products and sums, bias, activation and residual in f32, one rounding to
     the result type (jnp's promotion of all operands). Eligible when all
     operands share one 16-bit type; then the dispatcher picks the fused kernel (rule
-    "fused-activation" where it was measured faster, policy "kernel" always) or XLA,
+    "fused-activation" where it was measured faster, policy "kernel" always, within the
+    kernel's limits) or XLA,
     computing it as jnp would: ``act(x @ w + bias) + residual`` on 16-bit values (the
     same answers as the user's own jnp, at its speed). Operands promoting to another type
     (an f32 bias with f16 x and w: jnp rounds x @ w to f16 before adding it) are

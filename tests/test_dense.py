@@ -264,7 +264,8 @@ def test_an_empty_contraction_lowers_to_xla_even_when_the_kernel_is_forced():
 def test_mixed_types_are_computed_as_jnp_would(dtype):
     """16-bit x and w with an f32 bias (and residual): jnp multiplies in the 16-bit type,
     rounds, then adds in f32. The layer gives jnp's answer bit for bit, even with the
-    kernel forced (the f32 layer type is not the kernel's)."""
+    kernel forced (the f32 layer type is not the kernel's). (XLA on the CPU keeps a bf16
+    x @ w + b in f32, so there only the f16 case tells the two computations apart.)"""
     x, w, b, r = _operands((16, 32), 24, dtype, seed=6)
     b, r = b.astype(jnp.float32) + 0.1, r.astype(jnp.float32)  # + 0.1: values no 16-bit type holds
     with jax_hopper.dispatch("kernel"):
@@ -273,6 +274,15 @@ def test_mixed_types_are_computed_as_jnp_would(dtype):
     mine = jax.jit(lambda x, w, b, r: jax.nn.silu(x @ w + b) + r)(x, w, b, r)  # as a user writes the layer
     assert out.dtype == mine.dtype == jnp.float32 and "custom_call" not in text
     assert bool((out == mine).all())
+
+
+def test_numpy_operands_of_a_mixed_layer_multiply_as_jnp_does():
+    """NumPy f16 x and w with an f32 bias: jnp's product (f32 sums, one f16 rounding), not
+    NumPy's f16 matmul on the host (f16 sums, 0.03 apart here)."""
+    x, w, b, _ = _operands((64, 512), 24, jnp.float16, seed=7, residual=False)
+    x_np, w_np, b = np.asarray(x), np.asarray(w), b.astype(jnp.float32)
+    out = jax_hopper.dense(x_np, w_np, b)
+    assert bool((out == jnp.matmul(x, w) + b).all())
 
 
 def test_flax_layer_matches_linen_dense_with_the_same_parameters():
@@ -327,6 +337,25 @@ def test_a_layer_the_rules_leave_to_xla_on_its_shards_is_jnps(activation):
     out = jax.jit(shard)(x, w, b, r)
     mine = jax.jit(lambda x, w, b, r: ACTIVATION_FNS[activation](x @ w + b) + r)(x, w, b, r)
     assert out.dtype == mine.dtype and bool((out == mine).all())
+
+
+def test_a_differentiated_layer_keeps_its_fused_z_where_the_plain_rules_picked_it():
+    """Differentiated with an activation and a residual, the layer computes z = x w + b on
+    the fused kind where the plain product's rules pick our kernel ("wide-aligned" at
+    16384x4096x16384) and the activation through XLA. The fused layer's rules, asked
+    again on each device's shards, would answer otherwise for z ("wide-aligned" is not
+    theirs), so z is bound as picked: one device keeps the fused launch."""
+    f16 = jnp.float16
+    m, k, n = 16384, 4096, 16384
+    x, w = jax.ShapeDtypeStruct((m, k), f16), jax.ShapeDtypeStruct((k, n), f16)
+    b, r = jax.ShapeDtypeStruct((n,), f16), jax.ShapeDtypeStruct((m, n), f16)
+
+    def layer(x, w, b, r):
+        return jax_hopper.dense(x, w, b, activation="gelu_tanh", residual=r)
+
+    with jax_hopper.dispatch("auto"):
+        text = cuda_text(lambda x, w, b, r: jax.jvp(lambda x: layer(x, w, b, r), (x,), (x,)), x, w, b, r)
+    assert sorted(re.findall(r"stablehlo\.custom_call @(\S+)\(", text)) == ["jax_hopper_gemm", "jax_hopper_gemm_fused"]
 
 
 def test_gradient_where_only_the_activation_picked_the_kernel_is_jnps(monkeypatch):
