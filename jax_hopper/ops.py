@@ -122,9 +122,31 @@ def _planned(name, lhs, rhs, dimension_numbers, precision, preferred_element_typ
     if out.weak_type or not _kernel_eligible(lhs, rhs, out.dtype, precision, abstract_ok):
         return fn, out, None
     plan = plan_dot_general(np.shape(lhs), np.shape(rhs), dimension_numbers)
-    if _folding_drops_explicit_sharding(lhs, rhs, dimension_numbers, plan.keeps_lhs_free_dims):
+    if (_folding_drops_explicit_sharding(lhs, rhs, dimension_numbers, plan.keeps_lhs_free_dims) or
+            _explicit_reshape_refused(lhs, rhs, plan, out.dtype)):
         return fn, out, None
     return fn, out, plan
+
+
+# jax's error for a sharding its typing rules refuse (private: no public name in jax 0.10-0.11).
+_SHARDING_TYPE_ERROR = getattr(getattr(jax, "_src", None) and jax._src.core, "ShardingTypeError", None)
+
+
+def _explicit_reshape_refused(lhs, rhs, plan, out_dtype) -> bool:
+    """Under explicit mesh axes jax types every reshape of a sharded operand and refuses
+    some that _folding_drops_explicit_sharding lets through: one that changes two groups
+    of dims at once (jax 0.10: [8@x, 16, 16] -> (8, 256, 1), a merged K plus a unit N;
+    [8, 1024@x, 1] -> (8, 16, 64)). The plan's transposes, reshapes and the result's
+    reshape are typed here without running anything; where jax refuses one, it computes
+    the product."""
+    if _SHARDING_TYPE_ERROR is None or not any(
+            spec is not None and any(spec) for spec in (_explicit_spec(lhs), _explicit_spec(rhs))):
+        return False
+    try:
+        jax.eval_shape(functools.partial(_bind, plan=plan, out_dtype=out_dtype, kernel=XLA_KERNEL), lhs, rhs)
+    except _SHARDING_TYPE_ERROR:
+        return True
+    return False
 
 
 def _explicit_spec(x):
@@ -423,8 +445,21 @@ def _broadcast_batch(x, batch, specs):
     y = jnp.broadcast_to(x.astype(wide), tuple(batch) + x.shape[-2:]).astype(x.dtype)
     own = _explicit_spec(x)
     if own is not None and any(specs):
-        y = jax.sharding.reshard(y, jax.sharding.PartitionSpec(*specs, *own[-2:]))
+        # A mesh axis names one dim: x's own row and column dims give up those the batch
+        # dims take (x's K on the axis that shards the batch: jnp.matmul gathers that K).
+        used = {axis for entry in specs for axis in _entry_axes(entry)}
+
+        def without_used(entry):
+            left = tuple(axis for axis in _entry_axes(entry) if axis not in used)
+            return left[0] if len(left) == 1 else (left or None)
+
+        y = jax.sharding.reshard(y, jax.sharding.PartitionSpec(*specs, *map(without_used, own[-2:])))
     return y
+
+
+def _entry_axes(entry) -> tuple:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _batch_specs(x, count):

@@ -1143,3 +1143,43 @@ def test_explicit_mesh_mlp_gradients_follow_jnp(policy):
     for g, r in zip(mine, ref):
         assert jax.typeof(g) == jax.typeof(r), (jax.typeof(g), jax.typeof(r))
         assert relative_error(g, r.astype(jnp.float32)) < 2e-2
+
+
+def test_explicit_matrix_against_a_batch_sharded_stack_on_its_k_axis():
+    """matmul(a [M, K@x], b [B@x, K, N]): a broadcast to b's batch takes the batch's
+    sharding, and gives up x on its K (jnp.matmul gathers that K). It asked for x twice
+    (P('x', None, 'x'): DuplicateSpecError)."""
+    mm = mesh(AxisType.Explicit)
+    with _use(mm):
+        a = jax.device_put(_random(jax.random.key(50), (M, K)), NamedSharding(mm, P(None, "x")))
+        b = jax.device_put(_random(jax.random.key(51), (B * MESH_SHAPE[0], K, N)), NamedSharding(mm, P("x")))
+        ours, theirs = jax.jit(jax_hopper.matmul)(a, b), jax.jit(jnp.matmul)(a, b)
+        assert ours.sharding.spec == theirs.sharding.spec
+        assert relative_error(ours, theirs.astype(jnp.float32)) < 1e-2
+
+
+@pytest.mark.parametrize("a_shape, a_spec, b_shape, b_spec, dn", [
+    # a merged K and a unit N in one reshape: [8@x, 16, 16] -> (8, 256, 1)
+    ((8, 16, 16), P("x"), (8, 16, 16), P("x"), (((1, 2), (1, 2)), ((0,), (0,)))),
+    # the result's split of a sharded M with a unit N: [8, 1024@x, 1] -> (8, 16, 64)
+    ((8, 16, 64, 24), P(None, "x"), (8, 24), P(), (((3,), (1,)), ((0,), (0,)))),
+    # free and contracting dims transposed, then both merged: [32@x, 8, 8, 8] -> (256, 64)
+    ((32, 8, 8, 8), P("x"), (8, 8, 16), P(), (((1, 2), (0, 1)), ((), ()))),
+], ids=["merged-K-unit-N", "split-M-unit-N", "two-groups"])
+def test_explicit_folds_that_jax_refuses_are_jaxs(a_shape, a_spec, b_shape, b_spec, dn):
+    """Under explicit axes jax types each reshape of a sharded operand, and jax 0.10
+    refuses some that change two groups of dims at once: there these products are
+    computed by jax (they raised ShardingTypeError, found by a fuzz of sharded products);
+    jax 0.11 takes those reshapes, and our kernel's plan runs."""
+    mm = mesh(AxisType.Explicit)
+    with _use(mm):
+        a = jax.device_put(_random(jax.random.key(52), a_shape), NamedSharding(mm, a_spec))
+        b = jax.device_put(_random(jax.random.key(53), b_shape), NamedSharding(mm, b_spec))
+        with jax_hopper.dispatch("kernel"):
+            ours = jax.jit(lambda x, y: jax_hopper.dot_general(x, y, dn))(a, b)
+            grads = jax.jit(jax.grad(lambda x, y: jnp.sum(jax_hopper.dot_general(x, y, dn).astype(jnp.float32)),
+                                     argnums=(0, 1)))(a, b)
+        theirs = jax.jit(lambda x, y: lax.dot_general(x, y, dn))(a, b)
+    assert ours.sharding.spec == theirs.sharding.spec and ours.shape == theirs.shape
+    assert relative_error(ours, theirs.astype(jnp.float32)) < 1e-2
+    assert [g.shape for g in grads] == [a.shape, b.shape]
