@@ -32,7 +32,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax_hopper import _autodiff, _batching, _dispatch, _ffi  # noqa: F401
 from jax_hopper._dimension_numbers import plan_dot_general
 from jax_hopper._primitive import KERNEL_DTYPES, PRODUCT_NAME, XLA_KERNEL, gemm
-from jax_hopper._sharding import is_explicit, padded_spec
+from jax_hopper._sharding import _axes, is_explicit, padded_spec
 
 F32 = jnp.dtype(jnp.float32)
 
@@ -447,19 +447,10 @@ def _broadcast_batch(x, batch, specs):
     if own is not None and any(specs):
         # A mesh axis names one dim: x's own row and column dims give up those the batch
         # dims take (x's K on the axis that shards the batch: jnp.matmul gathers that K).
-        used = {axis for entry in specs for axis in _entry_axes(entry)}
-
-        def without_used(entry):
-            left = tuple(axis for axis in _entry_axes(entry) if axis not in used)
-            return left[0] if len(left) == 1 else (left or None)
-
-        y = jax.sharding.reshard(y, jax.sharding.PartitionSpec(*specs, *map(without_used, own[-2:])))
+        used = {axis for axes in _axes(specs, len(specs)) for axis in axes}
+        kept = [tuple(axis for axis in axes if axis not in used) or None for axes in _axes(own[-2:], 2)]
+        y = jax.sharding.reshard(y, jax.sharding.PartitionSpec(*specs, *kept))
     return y
-
-
-def _entry_axes(entry) -> tuple:
-    """The mesh axes of one PartitionSpec entry."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _batch_specs(x, count):
