@@ -58,7 +58,6 @@ from jax_hopper._fused import dense_derivative_p, dense_grad_p, dense_p, fused_d
 from jax_hopper._primitive import PRODUCT_NAME, gemm, gemm_p
 from jax_hopper._sharding import is_explicit, merge_drops_explicit_sharding, padded_spec
 
-
 # f32's exponent field: 2^e for an integer e is the bit pattern (e + bias) << mantissa bits
 # (a normal f32: -126 <= e <= 127).
 F32_EXPONENT_BIAS = 127

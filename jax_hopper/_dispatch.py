@@ -40,8 +40,14 @@ from collections.abc import Callable
 import numpy as np
 
 from jax_hopper import _ffi
-from jax_hopper._primitive import (DEFAULT_KERNEL, F16_ACCUMULATION_KERNEL, SMALL_M_KERNEL, TMA_ROW_MULTIPLE, XLA_KERNEL,
-                                   _round_up)
+from jax_hopper._primitive import (
+    DEFAULT_KERNEL,
+    F16_ACCUMULATION_KERNEL,
+    SMALL_M_KERNEL,
+    TMA_ROW_MULTIPLE,
+    XLA_KERNEL,
+    _round_up,
+)
 
 POLICIES = ("auto", "kernel", "xla")
 _ENV = "JAX_HOPPER_DISPATCH"

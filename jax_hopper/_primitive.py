@@ -225,9 +225,10 @@ require_devices_at_lowering(gemm_p)
 
 def _varying_axes(x) -> frozenset:
     """shard_map manual axes x varies over (the attribute moved between jax releases:
-    `aval.vma`, later `aval.mat.varying`); empty outside shard_map."""
+    `aval.vma`, later `aval.mat.varying`); empty outside shard_map. x may be a value being
+    transposed (an UndefinedPrimal: its aval only)."""
     try:
-        aval = jax.typeof(x)
+        aval = x.aval if hasattr(x, "aval") else jax.typeof(x)
     except (AttributeError, TypeError):  # a jax without typeof, or not a jax value
         return frozenset()
     mat = getattr(aval, "mat", None)

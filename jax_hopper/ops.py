@@ -20,6 +20,7 @@ run (policy "xla", no Hopper GPU) the product is XLA's, with f32 sums.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -560,6 +561,33 @@ def _check_layer_operands(op, operands, activation) -> str:
     return ", ".join(f"{n} {_describe(v)}" for n, v in operands.items() if v is not None)
 
 
+def _broadcast_epilogue(op, rows_shape, n, bias, residual, names, described):
+    """jnp's broadcasting of ``act(rows @ w + bias) + residual`` (rows_shape: the product's
+    [..., N] = rows_shape + (n,)). Returns (bias, jnp_only, result shape): a bias with one
+    value per column in another shape (a scalar, [1, N], [1, 1, N] that does not add dims)
+    as [N], the epilogue's; jnp_only where only jnp's computation has jnp's result (it
+    broadcasts to a larger result, a bias varies along rows, a residual is not of the
+    result's shape). Shapes jnp would refuse raise a ValueError naming the operand."""
+    product = tuple(rows_shape) + (n,)
+    full = product
+    for name, v, want in ((names[0], bias, f"[N] = [{n}]"), (names[1], residual, str(list(product)))):
+        if v is None:
+            continue
+        try:
+            full = tuple(np.broadcast_shapes(full, np.shape(v)))
+        except ValueError:
+            raise ValueError(f"jax_hopper.{op}: {name} must be {want} or broadcast against the result "
+                             f"{list(full)} as in jnp; got {described}") from None
+    jnp_only = full != product or (residual is not None and tuple(np.shape(residual)) != product)
+    if bias is not None and np.shape(bias) != (n,):
+        shape = np.shape(bias)
+        if math.prod(shape[:-1]) == 1 and not jnp_only:  # one value per column
+            bias = jnp.broadcast_to(jnp.reshape(bias, shape[-1:]), (n,))
+        else:
+            jnp_only = True
+    return bias, jnp_only, full
+
+
 def _layer_type(op, operands, described):
     """(type, weak) of a layer: jnp's promotion of all its operands, floating or complex
     (flax.linen.Dense's promotion accepts any inexact type; complex layers are jnp's)."""
@@ -575,7 +603,10 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     and the residual add fused into our kernel's epilogue.
 
     x [..., K], w [K, N], bias [N] or None, residual [..., N] or None; activation None,
-    "relu", "gelu_tanh" (jax.nn.gelu's default), "gelu_exact" or "silu". On the kernel
+    "relu", "gelu_tanh" (jax.nn.gelu's default), "gelu_exact" or "silu". A bias or
+    residual of another shape broadcasts as in jnp: one value per column ([1, N], a
+    scalar) is the fused [N]; anything else (a bias varying along rows, a residual [N], a
+    larger result) is jnp's layer. On the kernel
     path: f32 products and sums, bias, activation and residual in f32, one rounding to
     the result type (jnp's promotion of all operands). Eligible when all
     operands share one 16-bit type; then the dispatcher picks the fused kernel (rule
@@ -601,11 +632,9 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     if np.ndim(x) < 1 or np.ndim(w) != 2 or np.shape(x)[-1] != np.shape(w)[0]:
         raise ValueError(f"jax_hopper.dense: needs x [..., K] and w [K, N]; got {described}")
     n = np.shape(w)[1]
-    if bias is not None and np.shape(bias) != (n,):
-        raise ValueError(f"jax_hopper.dense: bias must be [N] = [{n}]; got {described}")
     out_shape = tuple(np.shape(x)[:-1]) + (n,)
-    if residual is not None and tuple(np.shape(residual)) != out_shape:
-        raise ValueError(f"jax_hopper.dense: residual must be {list(out_shape)}; got {described}")
+    bias, jnp_only, _ = _broadcast_epilogue("dense", np.shape(x)[:-1], n, bias, residual, ("bias", "residual"),
+                                            described)
     dtype, weak = _layer_type("dense", operands, described)
     # Every operand weakly typed: jnp's result is weak too, which only jnp's computation
     # keeps. x or w that the layer's type cannot hold exactly (int32 x against a bf16 bias;
@@ -613,8 +642,9 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
     # A jax_default_matmul_precision naming an algorithm: jnp's x @ w follows it.
     # A layer type that is not one of the kernel's (an f32 bias with 16-bit x and w): jnp
     # multiplies x and w in their own type and rounds before adding the bias.
-    if (weak or not _converts_exactly(dtype, x, w) or not _multiplied_as_floats(x, w) or not _plain_precision(None)
-            or jnp.dtype(dtype) not in KERNEL_DTYPES):
+    # Epilogue operands that broadcast otherwise than the kernel's [N] and [..., N]: jnp's.
+    if (weak or jnp_only or not _converts_exactly(dtype, x, w) or not _multiplied_as_floats(x, w) or
+            not _plain_precision(None) or jnp.dtype(dtype) not in KERNEL_DTYPES):
         return dense_like_jnp(x, w, bias, residual, activation=activation)
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     _check("dense", jnp.matmul, x, w)  # jax's own checks of x @ w (a K sharded on explicit mesh axes)
@@ -648,21 +678,24 @@ def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
     which jnp's block does not get).
 
     x [..., D], w1 [D, F], b1 [F] or None, w2 [F, N], b2 [N] or None, residual [..., N]
-    or None; activation None, "relu", "gelu_tanh" (jax.nn.gelu's default), "gelu_exact"
-    or "silu". Undifferentiated it is ``dense(dense(x, w1, b1, activation=...), w2, b2,
-    residual=residual)``; differentiated (reverse mode only: jax.grad, jax.vjp) the
-    forward saves the pre-activation z1 = x w1 + b1 and act(z1) in the operands' type,
-    as jnp's block does. The backward form runs on our kernel under policy "kernel", and
-    under "auto" where it was measured ahead with the bias gradient summed in its
-    epilogue (rule "backward-form-with-bias-gradient": every dimension >= 4096, model
-    width <= 8192), for F a multiple of 8, on one device (a program spanning several
-    computes it through XLA; operands typed with explicit mesh axes take the product and
-    XLA's pass). With exact GELU, tanh-GELU or SiLU, where the dispatcher runs the
-    derivative kind on the first layer (rules "fused-activation" and "saved-derivative";
-    F a multiple of 8), the forward instead saves act'(z1), written by the same launch as
-    act(z1), and the backward multiplies by it instead of recomputing act'. Each product
-    is dispatched like a plain one. Operands of one 16-bit type use this path; anything
-    else is computed as jnp would.
+    or None (other shapes broadcast as in `dense`); activation None, "relu", "gelu_tanh"
+    (jax.nn.gelu's default), "gelu_exact" or "silu". Undifferentiated it is
+    ``dense(dense(x, w1, b1, activation=...), w2, b2, residual=residual)``;
+    differentiated in reverse mode (jax.grad, jax.vjp) the forward saves the
+    pre-activation z1 = x w1 + b1 and act(z1) in the operands' type, as jnp's block
+    does. The backward form runs on our kernel under policy "kernel", and under "auto"
+    where it was measured ahead with the bias gradient summed in its epilogue (b1
+    differentiated; rule "backward-form-with-bias-gradient": every dimension >= 4096,
+    model width <= 8192), for F a multiple of 8, on one device (a program spanning
+    several computes it through XLA; operands typed with explicit mesh axes take the
+    product and XLA's pass). With exact GELU, tanh-GELU or SiLU, where the dispatcher
+    runs the derivative kind on the first layer (rules "fused-activation" and
+    "saved-derivative"; F a multiple of 8), the forward instead saves act'(z1), written
+    by the same launch as act(z1), and the backward multiplies by it instead of
+    recomputing act'. In forward mode (jax.jvp, jacfwd, Hessian-vector products) the
+    tangent is computed with products dispatched like plain ones and act' (or the saved
+    act'(z1)) applied by XLA. Operands of one 16-bit type use this path; anything else
+    is computed as jnp would.
     """
     from jax_hopper._fallback import dense_like_jnp
     from jax_hopper._mlp import mlp_block
@@ -674,11 +707,11 @@ def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
         raise ValueError(f"jax_hopper.mlp: needs x [..., D], w1 [D, F] and w2 [F, N]; got {described}")
     f, n = np.shape(w2)
     out_shape = tuple(np.shape(x)[:-1]) + (n,)
-    for name, v, shape in (("b1", b1, (f,)), ("b2", b2, (n,)), ("residual", residual, out_shape)):
-        if v is not None and tuple(np.shape(v)) != shape:
-            raise ValueError(f"jax_hopper.mlp: {name} must be {list(shape)}; got {described}")
+    b1, hidden_jnp_only, hidden = _broadcast_epilogue("mlp", np.shape(x)[:-1], f, b1, None, ("b1", None), described)
+    b2, jnp_only, _ = _broadcast_epilogue("mlp", hidden[:-1], n, b2, residual, ("b2", "residual"), described)
     dtype, weak = _layer_type("mlp", operands, described)
-    if (weak or jnp.dtype(dtype) not in KERNEL_DTYPES or not _converts_exactly(dtype, x, w1, w2) or
+    if (weak or hidden_jnp_only or jnp_only or jnp.dtype(dtype) not in KERNEL_DTYPES or
+            not _converts_exactly(dtype, x, w1, w2) or
             not _multiplied_as_floats(x, w1) or not _plain_precision(None) or not _constant_shapes(x, w1, w2) or
             0 in np.shape(x) + np.shape(w2) + (np.shape(w1)[0],)):
         h = dense_like_jnp(x, w1, b1, None, activation=activation)

@@ -66,13 +66,18 @@ def grads(block, operands, dtype=None):
     return jax.jit(jax.grad(loss(block), argnums=ARGNUMS))(*operands)
 
 
+def assert_as_accurate_as_jnp(what, mine, jnp_own, exact):
+    """mine's error against the f32 `exact` is at most ERROR_FACTOR times jnp's block's."""
+    err, err_jnp = relative_error(mine, exact), relative_error(jnp_own, exact)
+    assert err <= ERROR_FACTOR * err_jnp + 1e-6, f"{what}: {err:.3e} vs jnp's block {err_jnp:.3e}"
+
+
 def assert_gradients_as_accurate_as_jnp(mine, operands, activation):
     exact = grads(plain_block(activation), operands, jnp.float32)
     jnp_own = grads(plain_block(activation), operands)
     for name, g, j, e in zip(("x", "w1", "b1", "w2", "b2"), mine, jnp_own, exact):
         assert g.shape == e.shape and g.dtype == operands[0].dtype, name
-        err, err_jnp = relative_error(g, e), relative_error(j, e)
-        assert err <= ERROR_FACTOR * err_jnp + 1e-6, f"d{name}: {err:.3e} vs jnp's block {err_jnp:.3e}"
+        assert_as_accurate_as_jnp(f"d{name}", g, j, e)
 
 
 # Policy "kernel" binds the backward form (on a CPU its reference arithmetic runs).
@@ -263,8 +268,141 @@ def test_second_order_gradient(policy, saved):
             return jax.jit(jax.grad(f, argnums=0))(*ops)
 
     exact = gnorm(plain_block("gelu_tanh"), jnp.float32)
-    err, err_jnp = (relative_error(gnorm(b), exact) for b in (ours("gelu_tanh"), plain_block("gelu_tanh")))
-    assert err <= ERROR_FACTOR * err_jnp + 1e-6, f"{err:.3e} vs jnp's {err_jnp:.3e}"
+    assert_as_accurate_as_jnp("the gradient's gradient", gnorm(ours("gelu_tanh")), gnorm(plain_block("gelu_tanh")),
+                              exact)
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+@pytest.mark.parametrize("activation,saved", [(a, False) for a in ACTIVATIONS] + [(a, True) for a in ACTIVATIONS if a],
+                         ids=[str(a) for a in ACTIVATIONS] + [f"{a}-saved_act'" for a in ACTIVATIONS if a])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+def test_forward_mode(activation, dtype, policy, saved):
+    """jax.jvp through the block: its tangent map evaluated forward (dispatched products,
+    act' or the saved act'(z1) by XLA), as accurate as jnp's block's jvp (same rule as
+    the gradients: the same 16-bit roundings, up to the f32 summation order)."""
+    operands = block_operands((2, 40), 24, 72, dtype, seed=21)
+    tangents = block_operands((2, 40), 24, 72, dtype, seed=22)
+    with jax_hopper.dispatch(policy), _dispatch.saved_derivative({activation} if saved else ()):
+        mine = jax.jit(lambda p, t: jax.jvp(ours(activation), p, t))(operands, tangents)
+    jnp_own = jax.jit(lambda p, t: jax.jvp(plain_block(activation), p, t))(operands, tangents)
+    exact = jax.jvp(plain_block(activation), *[[v.astype(jnp.float32) for v in vs] for vs in (operands, tangents)])
+    for what, m, j, e in zip(("value", "tangent"), mine, jnp_own, exact):
+        assert m.dtype == dtype and m.shape == e.shape
+        assert_as_accurate_as_jnp(what, m, j, e)
+
+
+@pytest.mark.parametrize("moving", range(6), ids=["x", "w1", "b1", "w2", "b2", "residual"])
+def test_forward_mode_in_one_operand(moving):
+    """One operand moving, the others fixed (their tangents symbolic zeros): the tangent
+    map takes only the products that one needs. A residual's tangent is the output's,
+    exactly; any other against jnp's block as above."""
+    x, w1, b1, w2, b2 = block_operands((40,), 24, 72, jnp.float16, seed=23)
+    r = seed_normal(jax.random.key(24), x.shape, x.dtype, 1)
+    operands = [x, w1, b1, w2, b2, r]
+    tangent = block_operands((40,), 24, 72, jnp.float16, seed=25)[moving] if moving < 5 else -r
+
+    def at(block, dtype):
+        def f(v):
+            args = [u.astype(dtype) for u in operands]
+            args[moving] = v
+            return block(*args)
+        return f
+
+    def ours_with_residual(x, w1, b1, w2, b2, r):
+        return jax_hopper.mlp(x, w1, b1, w2, b2, activation="gelu_tanh", residual=r)
+
+    def jnp_with_residual(x, w1, b1, w2, b2, r):
+        return F32_ACT["gelu_tanh"](x @ w1 + b1) @ w2 + b2 + r
+
+    _, mine = jax.jit(lambda v, t: jax.jvp(at(ours_with_residual, jnp.float16), (v,), (t,)))(operands[moving], tangent)
+    if moving == 5:
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(tangent))
+        return
+    _, jnp_own = jax.jvp(at(jnp_with_residual, jnp.float16), (operands[moving],), (tangent,))
+    _, exact = jax.jvp(at(jnp_with_residual, jnp.float32), (operands[moving].astype(jnp.float32),),
+                       (tangent.astype(jnp.float32),))
+    assert_as_accurate_as_jnp("tangent", mine, jnp_own, exact)
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["z1", "saved_act'"])
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+def test_hessian_vector_product(policy, saved):
+    """jvp of grad (forward over reverse, the usual Hessian-vector product): the forward
+    mode of the backward pass (the backward form's and derivative kind's JVP rules)."""
+    operands = block_operands((16,), 8, 24, jnp.float16, seed=27)
+    tangents = block_operands((16,), 8, 24, jnp.float16, seed=28)
+
+    def hvp(block, dtype=None):
+        cast = (lambda vs: vs) if dtype is None else (lambda vs: [v.astype(dtype) for v in vs])
+        g = jax.grad(loss(block), argnums=ARGNUMS)
+        with jax_hopper.dispatch(policy), _dispatch.saved_derivative({"silu"} if saved else ()):
+            return jax.jit(lambda p, t: jax.jvp(g, p, t)[1])(cast(operands), cast(tangents))
+
+    exact = hvp(plain_block("silu"), jnp.float32)
+    for name, m, j, e in zip(("x", "w1", "b1", "w2", "b2"), hvp(ours("silu")), hvp(plain_block("silu")), exact):
+        assert_as_accurate_as_jnp(f"H v for {name}", m, j, e)
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+def test_gradient_of_the_tangent(policy):
+    """grad of a function of the jvp's tangent (reverse over forward): the tangent map's
+    own JVP rule, as accurate as jnp's block's (the rule above)."""
+    operands = block_operands((16,), 8, 24, jnp.float16, seed=31)
+    tangents = block_operands((16,), 8, 24, jnp.float16, seed=32)
+
+    def of_tangent(block, dtype):
+        def f(*p):
+            t = jax.jvp(block, p, tuple(v.astype(dtype) for v in tangents))[1]
+            return 0.5 * jnp.sum(t.astype(jnp.float32) ** 2)
+        with jax_hopper.dispatch(policy):
+            return jax.jit(jax.grad(f, argnums=ARGNUMS))(*[v.astype(dtype) for v in operands])
+
+    exact = of_tangent(plain_block("gelu_tanh"), jnp.float32)
+    for name, m, j, e in zip(("x", "w1", "b1", "w2", "b2"), of_tangent(ours("gelu_tanh"), jnp.float16),
+                             of_tangent(plain_block("gelu_tanh"), jnp.float16), exact):
+        if name == "b2":  # the tangent does not depend on b2 (it enters y additively)
+            assert not np.asarray(e).any() and not np.asarray(m).any()
+            continue
+        assert_as_accurate_as_jnp(f"d{name}", m, j, e)
+
+
+def test_jacfwd_and_hessian():
+    """jacfwd (vmap of the tangent map: its batching rule) and hessian (jacfwd of jacrev),
+    as accurate as jnp's block's against the same in f32 (the rule above)."""
+    x, w1, b1, w2, b2 = block_operands((12,), 8, 16, jnp.float16, seed=29)
+
+    def relu_block(b1, *, dtype, block):
+        x_, w1_, w2_, b2_ = (v.astype(dtype) for v in (x, w1, w2, b2))
+        return block(x_, w1_, b1, w2_, b2_)
+
+    def jnp_relu(x, w1, b1, w2, b2):
+        return F32_ACT["relu"](x @ w1 + b1) @ w2 + b2 + x
+
+    def our_relu(x, w1, b1, w2, b2):
+        return jax_hopper.mlp(x, w1, b1, w2, b2, activation="relu", residual=x)
+
+    def half_square(f):
+        return lambda b1, **kw: 0.5 * jnp.sum(f(b1, **kw).astype(jnp.float32) ** 2)
+
+    for transform, shape in ((jax.jacfwd, (12, 8, 16)), (jax.hessian, (16, 16))):
+        wrap = (lambda f: f) if transform is jax.jacfwd else half_square
+        mine, jnp_own, exact = (
+            jax.jit(transform(functools.partial(wrap(relu_block), dtype=dtype, block=block)))(b1.astype(dtype))
+            for block, dtype in ((our_relu, jnp.float16), (jnp_relu, jnp.float16), (jnp_relu, jnp.float32)))
+        assert mine.shape == shape
+        assert_as_accurate_as_jnp(transform.__name__, mine, jnp_own, exact)
+
+
+def test_a_frozen_bias_gets_no_bias_gradient_summed():
+    """Reverse mode transposes the tangent map in the operands being differentiated only:
+    with b1 fixed, the backward form sums no db1 (its partial sums' output is empty)."""
+    operands = block_operands((256,), 128, 512, jnp.bfloat16)
+    with jax_hopper.dispatch("kernel"):
+        text = cuda_text(jax.grad(loss(ours("gelu_tanh")), argnums=(0, 1, 3)), *operands)
+    assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<256x512xbf16>, tensor<0xf32>\)", text)
+    with jax_hopper.dispatch("kernel"):
+        text = cuda_text(jax.grad(loss(ours("gelu_tanh")), argnums=(0, 1, 2, 3)), *operands)
+    assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<256x512xbf16>, tensor<4x512xf32>\)", text)
 
 
 def gradient_program(activation, operands, policy):
@@ -374,6 +512,44 @@ def test_bad_inputs_are_refused(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         jax_hopper.mlp(args.pop("x"), args.pop("w1"), args.pop("b1"), args.pop("w2"), args.pop("b2"), **args)
+
+
+def test_biases_with_one_value_per_column_in_another_shape_keep_the_block():
+    """b1 [1, F] and b2 [1, N] (as TF/Keras checkpoints store biases) add one value per
+    column: the block runs as with [F] and [N] (same program, same values), and their
+    gradients come back in their own shapes."""
+    x, w1, b1, w2, b2 = block_operands((40,), 24, 72, jnp.float16, seed=41)
+
+    def block(x, w1, b1, w2, b2):
+        return jax_hopper.mlp(x, w1, b1, w2, b2, activation="gelu_tanh", residual=x)
+
+    with jax_hopper.dispatch("kernel"):
+        grads_of = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(block(*a).astype(jnp.float32)), argnums=ARGNUMS))
+        value, grads = grads_of(x, w1, b1[None], w2, b2[None])
+        value_vector, grads_vector = grads_of(x, w1, b1, w2, b2)
+        text, text_vector = (cuda_text(block, x, w1, b, w2, c) for b, c in ((b1[None], b2[None]), (b1, b2)))
+    assert float(value) == float(value_vector)
+    calls = re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
+    assert calls == re.findall(r"stablehlo\.custom_call @(\S+)\(", text_vector) and calls
+    for g, g_vector in zip(grads, grads_vector):
+        assert bool((g.reshape(g_vector.shape) == g_vector).all())
+    assert grads[2].shape == (1, 72) and grads[4].shape == (1, 24)
+
+
+@pytest.mark.parametrize("b2_shape,residual_shape", [((40, 1), None), ((24,), (24,)), ((3, 40, 24), None)],
+                         ids=["b2_rows", "residual_N", "larger"])
+def test_other_broadcasts_are_jnps_own_block(b2_shape, residual_shape):
+    """A b2 that varies along rows, a residual broadcast along them, a larger result: jnp's
+    block, bit for bit, in jnp's result shape."""
+    x, w1, b1, w2, _ = block_operands((40,), 24, 72, jnp.float16, seed=42)
+    kb, kr = jax.random.split(jax.random.key(43))
+    b2 = jax.random.normal(kb, b2_shape, jnp.float32).astype(jnp.float16)
+    r = None if residual_shape is None else jax.random.normal(kr, residual_shape, jnp.float32).astype(jnp.float16)
+    with jax_hopper.dispatch("kernel"):
+        out = jax.jit(lambda *a: jax_hopper.mlp(*a[:5], activation="silu", residual=a[5]))(x, w1, b1, w2, b2, r)
+    mine = jax.jit(lambda x, w1, b1, w2, b2, r: jax.nn.silu(x @ w1 + b1) @ w2 + b2 + (0 if r is None else r))(
+        x, w1, b1, w2, b2, r)
+    assert out.shape == mine.shape and bool((out == mine).all())
 
 
 @pytest.mark.parametrize("policy", ["auto", "kernel"])

@@ -1107,7 +1107,7 @@ def test_mlp_gradients_under_sharding(pattern, policy, saved):
     plain one; the backward form and the derivative form, with no partitioning rules,
     lower to XLA's (so policy "kernel" runs them only where the program stays on one
     device); `saved`: the forward saves act'(z1)."""
-    from test_mlp import ARGNUMS, block_operands, loss, ours, plain_block
+    from test_mlp import ARGNUMS, assert_as_accurate_as_jnp, block_operands, loss, ours, plain_block
 
     from jax_hopper import _dispatch
 
@@ -1123,8 +1123,7 @@ def test_mlp_gradients_under_sharding(pattern, policy, saved):
     # rounded to 16 bits before the all-reduce there too.
     jnp_own = jax.jit(jax.grad(loss(plain_block("gelu_tanh")), argnums=ARGNUMS))(*placed)
     for name, g, j, e in zip(("x", "w1", "b1", "w2", "b2"), mine, jnp_own, exact):
-        err, err_jnp = relative_error(g, e), relative_error(j, e)
-        assert err <= 1.5 * err_jnp + 1e-6, f"d{name}: {err:.3e} vs jnp's block {err_jnp:.3e}"
+        assert_as_accurate_as_jnp(f"d{name}", g, j, e)
 
 
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
@@ -1143,6 +1142,83 @@ def test_explicit_mesh_mlp_gradients_follow_jnp(policy):
     for g, r in zip(mine, ref):
         assert jax.typeof(g) == jax.typeof(r), (jax.typeof(g), jax.typeof(r))
         assert relative_error(g, r.astype(jnp.float32)) < 2e-2
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+@pytest.mark.parametrize("pattern", MLP_PATTERNS)
+def test_mlp_forward_mode_under_sharding(pattern, policy):
+    """jax.jvp through jax_hopper.mlp under Auto mesh axes (its tangent map's products
+    partition like plain ones), as accurate as jnp's block's jvp under the same sharding."""
+    from test_mlp import assert_as_accurate_as_jnp, block_operands, ours, plain_block
+
+    mm = mesh()
+    x_s, w1_s, w2_s = MLP_PATTERNS[pattern]
+    specs = (x_s, w1_s, P(w1_s[1]) if len(w1_s) > 1 else P(), w2_s, P())
+    operands = block_operands((B, M), K, N, jnp.float16, seed=62)
+    tangents = block_operands((B, M), K, N, jnp.float16, seed=63)
+    placed, placed_t = ([jax.device_put(v, NamedSharding(mm, s)) for v, s in zip(vs, specs)]
+                        for vs in (operands, tangents))
+
+    def tangent(block, p, t):
+        return jax.jit(lambda p, t: jax.jvp(block, p, t)[1])(tuple(p), tuple(t))
+
+    with jax_hopper.dispatch(policy):
+        mine = tangent(ours("silu"), placed, placed_t)
+    jnp_own = tangent(plain_block("silu"), placed, placed_t)
+    exact = jax.jvp(plain_block("silu"), *[tuple(v.astype(jnp.float32) for v in vs) for vs in (operands, tangents)])[1]
+    assert_as_accurate_as_jnp("tangent", mine, jnp_own, exact)
+
+
+@pytest.mark.parametrize("policy", ["kernel", "xla"])
+def test_mlp_forward_mode_inside_shard_map(policy):
+    """jvp inside shard_map with x split and the weights replicated: the tangent varies
+    over x's axis like the value (its type is the value's)."""
+    from test_mlp import assert_as_accurate_as_jnp
+
+    mm = mesh()
+    keys = jax.random.split(jax.random.key(64), 10)
+    x, dx = _random(keys[0], (M, K)), _random(keys[1], (M, K))
+    w1, w2, dw1, dw2 = (_random(k, s) / 8 for k, s in zip(keys[2:6], ((K, N), (N, K), (K, N), (N, K))))
+    b1, b2, db1, db2 = (_random(k, s) for k, s in zip(keys[6:], ((N,), (K,), (N,), (K,))))
+
+    def jvp_in_shard_map(block):
+        def f(p, t):
+            spec = (P("x", None), P(), P(), P(), P())
+            return jax.shard_map(lambda p, t: jax.jvp(block, p, t), mesh=mm, in_specs=(spec, spec),
+                                 out_specs=(P("x", None), P("x", None)))(p, t)
+        return jax.jit(f)((x, w1, b1, w2, b2), (dx, dw1, db1, dw2, db2))
+
+    def plain(x, w1, b1, w2, b2):
+        return jax.nn.gelu(x @ w1 + b1, approximate=True) @ w2 + b2 + x
+
+    with jax_hopper.dispatch(policy):
+        mine = jvp_in_shard_map(lambda *a: jax_hopper.mlp(*a, activation="gelu_tanh", residual=a[0]))
+    jnp_own = jvp_in_shard_map(plain)
+    exact = jax.jvp(plain, *[tuple(v.astype(jnp.float32) for v in vs)
+                             for vs in ((x, w1, b1, w2, b2), (dx, dw1, db1, dw2, db2))])
+    for what, m, j, e in zip(("value", "tangent"), mine, jnp_own, exact):
+        assert m.shape == e.shape
+        assert_as_accurate_as_jnp(what, m, j, e)
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+def test_explicit_mesh_mlp_forward_mode_follows_jnp(policy):
+    """Explicit mesh axes: the jvp's value and tangent have jnp's block's types."""
+    from test_mlp import block_operands, ours, plain_block
+
+    mm = mesh(AxisType.Explicit)
+    operands = block_operands((B, M), K, N, jnp.float16, seed=65)
+    tangents = block_operands((B, M), K, N, jnp.float16, seed=66)
+    with _use(mm):
+        placed, placed_t = (tuple(jax.device_put(v, NamedSharding(mm, s))
+                                  for v, s in zip(vs, (P(None, "x"), P(), P(), P(), P())))
+                            for vs in (operands, tangents))
+        with jax_hopper.dispatch(policy):
+            mine = jax.jit(lambda p, t: jax.jvp(ours("silu"), p, t))(placed, placed_t)
+        ref = jax.jit(lambda p, t: jax.jvp(plain_block("silu"), p, t))(placed, placed_t)
+    for m, r in zip(mine, ref):
+        assert jax.typeof(m) == jax.typeof(r), (jax.typeof(m), jax.typeof(r))
+        assert relative_error(m, r.astype(jnp.float32)) < 2e-2
 
 
 def test_explicit_matrix_against_a_batch_sharded_stack_on_its_k_axis():
