@@ -574,7 +574,7 @@ def _broadcast_epilogue(op, rows_shape, n, bias, residual, names, described):
         if v is None:
             continue
         try:
-            full = tuple(np.broadcast_shapes(full, np.shape(v)))
+            full = tuple(jnp.broadcast_shapes(full, np.shape(v)))  # (symbolic dims too)
         except ValueError:
             raise ValueError(f"jax_hopper.{op}: {name} must be {want} or broadcast against the result "
                              f"{list(full)} as in jnp; got {described}") from None

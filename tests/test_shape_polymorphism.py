@@ -102,6 +102,24 @@ def test_dense_and_mlp_with_a_symbolic_dim_are_jnps_layers(policy, activation):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_broadcast_bias_and_residual_with_a_symbolic_dim(policy):
+    """dense's jnp broadcasting of a [1, F] bias and an [F] residual against a symbolic
+    number of rows (the shapes are compared symbolically): jnp's layer, bit for bit."""
+    b, = export.symbolic_shape("b")
+    dtype, d, f = jnp.float16, 32, 64
+    specs = (_spec((b, d), dtype), _spec((d, f), dtype), _spec((1, f), dtype), _spec((f,), dtype))
+    ours = lambda x, w, bias, r: jax_hopper.dense(x, w, bias, activation="silu", residual=r)  # noqa: E731
+    theirs = lambda x, w, bias, r: jax.nn.silu(x @ w + bias) + r  # noqa: E731
+    exported = [_exported(fn, policy, *specs) for fn in (ours, theirs)]
+    for seed, size in enumerate(SIZES):
+        x, w, bias, _ = _layer_operands((size,), d, f, dtype, seed)
+        operands = (x, w, bias[None], bias[::-1])
+        mine, jnps = (e.call(*operands) for e in exported)
+        assert mine.shape == (size, f)
+        np.testing.assert_array_equal(np.asarray(mine, np.float32), np.asarray(jnps, np.float32))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_vmap_over_a_symbolic_size(policy):
     """Inside vmap the shapes are numbers, so under "kernel" our primitives are bound; their
     batch rules then meet the symbolic size."""
