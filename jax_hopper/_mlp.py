@@ -57,6 +57,7 @@ from jax_hopper import _dispatch
 from jax_hopper._autodiff import (
     _contracting_leading_dims,
     _explicitly_typed,
+    _in_type_of,
     _product,
     _z_tangent,
     activation_and_derivative,
@@ -198,12 +199,14 @@ def _tangent_transpose(ct, x, w1, w2, kept, h, *tangents, activation, derivative
 
 
 def _like_primal(ct, primal):
-    """Inside shard_map, a cotangent summed over the manual axes it varies over and its
-    primal (here its tangent, which has the primal's type) does not (a weight replicated
-    over the axes x is split on): what jax's own autodiff does where it made the weight
-    varying (the transpose of that cast is a psum). A cotangent must have its primal's type."""
+    """A cotangent in its primal's type (here its tangent's, which is the primal's), as
+    jax requires. Inside shard_map, summed over the manual axes it varies over and its
+    primal does not (a weight replicated over the axes x is split on): what jax's own
+    autodiff does where it made the weight varying (the transpose of that cast is a psum).
+    Under explicit mesh axes, resharded to the primal's sharding (a replicated residual
+    next to a sharded x: its cotangent dy has y's sharding; b2's sum keeps y's columns')."""
     extra = _varying_axes(ct) - _varying_axes(primal)
-    return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
+    return _in_type_of(jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct, primal)
 
 
 def _tangent_jvp(primals, tangents, **params):

@@ -173,17 +173,11 @@ def _default_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, 
     return _reference(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
 
 
-@functools.cache
-def jitted_bind(primitive, **params):
-    """One compiled executable per (primitive, params) for eager calls."""
-    return jax.jit(functools.partial(primitive.bind, **params))
-
-
 def eager_impl(primitive):
-    """A primitive's impl rule for eager calls: its jitted bind (one executable per params)."""
-    def impl(*args, **params):
-        return jitted_bind(primitive, **params)(*args)
-    return impl
+    """A primitive's impl rule for eager calls: jax's own for its primitives, which compiles
+    the primitive alone (one executable per params, cached) and does so under
+    jax.disable_jit too (a jit of the bind recursed there: the bind called the impl again)."""
+    return functools.partial(jax._src.dispatch.apply_primitive, primitive)
 
 
 gemm_p.def_impl(eager_impl(gemm_p))

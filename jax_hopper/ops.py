@@ -561,16 +561,17 @@ def _check_layer_operands(op, operands, activation) -> str:
     return ", ".join(f"{n} {_describe(v)}" for n, v in operands.items() if v is not None)
 
 
-def _broadcast_epilogue(op, rows_shape, n, bias, residual, names, described):
+def _broadcast_epilogue(op, rows_shape, n, bias, residual, names, described, width="N"):
     """jnp's broadcasting of ``act(rows @ w + bias) + residual`` (rows_shape: the product's
-    [..., N] = rows_shape + (n,)). Returns (bias, jnp_only, result shape): a bias with one
-    value per column in another shape (a scalar, [1, N], [1, 1, N] that does not add dims)
-    as [N], the epilogue's; jnp_only where only jnp's computation has jnp's result (it
-    broadcasts to a larger result, a bias varies along rows, a residual is not of the
-    result's shape). Shapes jnp would refuse raise a ValueError naming the operand."""
+    [..., N] = rows_shape + (n,)). Returns (bias, jnp_only, result shape): a bias [1, N] or
+    [1, 1, N] (not adding dims) reshaped to [N], the epilogue's (its gradient is then the
+    [N] one reshaped); jnp_only where only jnp's computation has jnp's result (it
+    broadcasts to a larger result, a bias varies along rows or is broadcast along them (a
+    scalar: its gradient would sum rounded column sums), a residual is not of the result's
+    shape). Shapes jnp would refuse raise a ValueError naming the operand."""
     product = tuple(rows_shape) + (n,)
     full = product
-    for name, v, want in ((names[0], bias, f"[N] = [{n}]"), (names[1], residual, str(list(product)))):
+    for name, v, want in ((names[0], bias, f"[{width}] = [{n}]"), (names[1], residual, str(list(product)))):
         if v is None:
             continue
         try:
@@ -581,8 +582,8 @@ def _broadcast_epilogue(op, rows_shape, n, bias, residual, names, described):
     jnp_only = full != product or (residual is not None and tuple(np.shape(residual)) != product)
     if bias is not None and np.shape(bias) != (n,):
         shape = np.shape(bias)
-        if math.prod(shape[:-1]) == 1 and not jnp_only:  # one value per column
-            bias = jnp.broadcast_to(jnp.reshape(bias, shape[-1:]), (n,))
+        if math.prod(shape[:-1]) == 1 and shape[-1:] == (n,) and not jnp_only:
+            bias = jnp.reshape(bias, (n,))
         else:
             jnp_only = True
     return bias, jnp_only, full
@@ -604,9 +605,9 @@ def dense(x, w, bias=None, *, activation=None, residual=None):
 
     x [..., K], w [K, N], bias [N] or None, residual [..., N] or None; activation None,
     "relu", "gelu_tanh" (jax.nn.gelu's default), "gelu_exact" or "silu". A bias or
-    residual of another shape broadcasts as in jnp: one value per column ([1, N], a
-    scalar) is the fused [N]; anything else (a bias varying along rows, a residual [N], a
-    larger result) is jnp's layer. On the kernel
+    residual of another shape broadcasts as in jnp: a bias [1, N] is the fused [N];
+    anything else (a scalar bias, a bias varying along rows, a residual [N], a larger
+    result) is jnp's layer. On the kernel
     path: f32 products and sums, bias, activation and residual in f32, one rounding to
     the result type (jnp's promotion of all operands). Eligible when all
     operands share one 16-bit type; then the dispatcher picks the fused kernel (rule
@@ -707,7 +708,8 @@ def mlp(x, w1, b1, w2, b2, *, activation="gelu_tanh", residual=None):
         raise ValueError(f"jax_hopper.mlp: needs x [..., D], w1 [D, F] and w2 [F, N]; got {described}")
     f, n = np.shape(w2)
     out_shape = tuple(np.shape(x)[:-1]) + (n,)
-    b1, hidden_jnp_only, hidden = _broadcast_epilogue("mlp", np.shape(x)[:-1], f, b1, None, ("b1", None), described)
+    b1, hidden_jnp_only, hidden = _broadcast_epilogue("mlp", np.shape(x)[:-1], f, b1, None, ("b1", None), described,
+                                                      width="F")
     b2, jnp_only, _ = _broadcast_epilogue("mlp", hidden[:-1], n, b2, residual, ("b2", "residual"), described)
     dtype, weak = _layer_type("mlp", operands, described)
     if (weak or hidden_jnp_only or jnp_only or jnp.dtype(dtype) not in KERNEL_DTYPES or

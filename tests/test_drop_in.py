@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_product, cuda_text, hopper_devices, relative_error, weak
+from helpers import ULP, assert_same_product, cuda_text, hopper_devices, relative_error, weak
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -386,3 +386,27 @@ def test_vmap_over_either_operand_matches_jnp(layout):
                 err = float(jnp.max(jnp.abs(ours.astype(jnp.float32) - ref.astype(jnp.float32))) /
                             jnp.max(jnp.abs(ref.astype(jnp.float32))))
                 assert err <= 2**-9, (which, axis, out, err)
+
+
+@pytest.mark.parametrize("policy", ["auto", "kernel"])
+def test_ops_compute_under_disable_jit(policy):
+    """jax.disable_jit runs our primitives eagerly, each compiled alone as jax's own are (a
+    jit of the bind recursed there: the bind called the impl again), with the values and
+    derivatives of the jitted program."""
+    kx, kw, kb = jax.random.split(jax.random.key(70), 3)
+    x = jax.random.normal(kx, (16, 32), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (32, 24), jnp.float32) / 6).astype(jnp.bfloat16)
+    b = jax.random.normal(kb, (24,), jnp.float32).astype(jnp.bfloat16)
+
+    def program(x, w, b):
+        mlp = lambda x, w: jax_hopper.mlp(x, w, b, w.T, None, activation="silu", residual=x)  # noqa: E731
+        return (jax_hopper.matmul(x, w), jax_hopper.dense(x, w, b, activation="gelu_exact"),
+                jax.jvp(mlp, (x, w), (x, w)), jax.grad(lambda x: jnp.sum(mlp(x, w).astype(jnp.float32)))(x))
+
+    with jax_hopper.dispatch(policy):
+        jitted = jax.jit(program)(x, w, b)
+        with jax.disable_jit():
+            eager = program(x, w, b)
+    for e, j in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+        assert e.shape == j.shape and e.dtype == j.dtype
+        assert relative_error(e, j.astype(jnp.float32)) < 2 * ULP["bfloat16"]

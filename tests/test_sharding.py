@@ -1221,6 +1221,41 @@ def test_explicit_mesh_mlp_forward_mode_follows_jnp(policy):
         assert relative_error(m, r.astype(jnp.float32)) < 2e-2
 
 
+@pytest.mark.parametrize("specs", [
+    (P("x"), P(), P(), P(), P(), P()),  # a replicated residual next to an M-sharded x
+    (P("x"), P(), P(), P(), P(), P(None, "y")),
+    (P("x"), P(), P(), P(None, "y"), P("y"), P("x")),  # b2 split like w2's columns
+], ids=["residual_replicated", "residual_columns", "b2_columns"])
+def test_explicit_mesh_mlp_cotangents_take_their_operands_types(specs):
+    """Under explicit mesh axes each cotangent has its operand's type (jax requires it):
+    the residual's is dy and b2's a sum of dy, both of y's sharding, resharded to the
+    operand's (jax refused the gradient with a type error before)."""
+    from test_mlp import block_operands
+
+    mm = mesh(AxisType.Explicit)
+    x, w1, b1, w2, b2 = block_operands((M,), K, N, jnp.float16, seed=67)
+    r = _random(jax.random.key(68), (M, K))
+
+    def loss(block):
+        return lambda *a: 0.5 * jnp.sum(block(*a).astype(jnp.float32) ** 2)
+
+    def ours(x, w1, b1, w2, b2, r):
+        return jax_hopper.mlp(x, w1, b1, w2, b2, activation="silu", residual=r)
+
+    def theirs(x, w1, b1, w2, b2, r):
+        return jax.nn.silu(x @ w1 + b1) @ w2 + b2 + r
+
+    with _use(mm):
+        placed = [jax.device_put(v, NamedSharding(mm, s)) for v, s in zip((x, w1, b1, w2, b2, r), specs)]
+        for policy in ("auto", "kernel"):
+            with jax_hopper.dispatch(policy):
+                mine = jax.jit(jax.grad(loss(ours), argnums=range(6)))(*placed)
+            ref = jax.jit(jax.grad(loss(theirs), argnums=range(6)))(*placed)
+            for g, want, v in zip(mine, ref, placed):
+                assert jax.typeof(g) == jax.typeof(want) == jax.typeof(v), (jax.typeof(g), jax.typeof(want))
+                assert relative_error(g, want.astype(jnp.float32)) < 2e-2
+
+
 def test_explicit_matrix_against_a_batch_sharded_stack_on_its_k_axis():
     """matmul(a [M, K@x], b [B@x, K, N]): a broadcast to b's batch takes the batch's
     sharding, and gives up x on its K (jnp.matmul gathers that K). It asked for x twice
