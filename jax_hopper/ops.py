@@ -548,12 +548,14 @@ def _matmul_as_dot_general(a, b, dot_general_fn):
 
 
 def _check_layer_operands(op, operands, activation) -> str:
-    """The checks dense and mlp share: arrays (or None) and a known activation. Returns
-    the operands described for later error messages."""
+    """The checks dense and mlp share: arrays (or None) and a known activation; a bias or
+    residual may also be a scalar, as jnp's x @ w + 0.5 (a Python number weakly typed, a
+    NumPy scalar of its own type). Returns the operands described for later error messages."""
     from jax_hopper._fused import ACTIVATIONS
 
     for name, v in operands.items():
-        if v is not None and not _is_array(v):
+        scalar_ok = name not in ("x", "w", "w1", "w2") and isinstance(v, (int, float, complex, np.generic))
+        if v is not None and not (_is_array(v) or scalar_ok):
             raise TypeError(f"jax_hopper.{op}: {name} must be a jax or numpy array, got {type(v).__name__}")
     if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ValueError(f"jax_hopper.{op}: activation must be None or one of "

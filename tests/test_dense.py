@@ -278,6 +278,21 @@ def test_other_broadcasts_are_jnps_own_layer(policy, bias_shape, residual_shape)
     assert bool((db == bias_grad(theirs)).all())
 
 
+@pytest.mark.parametrize("scalar", [0.5, 2, np.float32(0.5), np.float16(0.5)], ids=["float", "int", "np32", "np16"])
+def test_scalar_bias_and_residual_are_jnps(scalar):
+    """jnp's x @ w + 0.5: a Python number is weakly typed (the layer stays 16-bit), a NumPy
+    scalar has its own type (an f32 one promotes the layer). jnp's layer, bit for bit."""
+    x, w, _, _ = _operands((16, 32), 24, jnp.float16, seed=11, bias=False, residual=False)
+    for kwargs, theirs in ((dict(bias=scalar), lambda x, w: jax.nn.silu(x @ w + scalar)),
+                           (dict(residual=scalar), lambda x, w: jax.nn.silu(x @ w) + scalar)):
+        out = jax.jit(lambda x, w: jax_hopper.dense(x, w, activation="silu", **kwargs))(x, w)
+        mine = jax.jit(theirs)(x, w)
+        assert out.dtype == mine.dtype and out.shape == mine.shape and bool((out == mine).all())
+    out = jax_hopper.mlp(x, w, scalar, w.T, scalar, activation="silu", residual=scalar)
+    mine = jax.nn.silu(x @ w + scalar) @ w.T + scalar + scalar
+    assert out.dtype == mine.dtype and bool((out == mine).all())
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(bias=jnp.zeros((2, 8), jnp.float16)), r"bias must be \[N\] = \[8\] or broadcast against the result \[4, 8\]"),
     (dict(residual=jnp.zeros((3, 8), jnp.float16)), r"residual must be \[4, 8\] or broadcast"),
