@@ -8,7 +8,8 @@
 # 10 slowest tests); TEST_XLA_FLAGS become XLA_FLAGS for the tests only (e.g.
 # --xla_gpu_autotune_level=0: the jnp references then skip XLA's GEMM autotuning, which
 # is compile time, not correctness; never for the benchmark). Exits non-zero if a build,
-# smoke test, sanitizer tool or test fails.
+# smoke test, sanitizer tool or test fails. FUZZ_SECONDS=N adds N seconds of the
+# differential fuzz (scripts/fuzz_gpu.py, seed FUZZ_SEED, default 0) after the tests.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${1:-${OUT:-$REPO/device-out}}
@@ -65,6 +66,14 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
       *) echo "$name: CRASHED (exit $test_rc)"; grep -E "Check failed|Fatal|Segmentation|Aborted" "$LOG/$name.log" | head -5; rc=1 ;;
     esac
   done
+fi
+if [ -n "${FUZZ_SECONDS:-}" ]; then
+  # Its own budget plus a margin for the case running when it ends (a hang names its case).
+  XLA_FLAGS="${TEST_XLA_FLAGS:-${XLA_FLAGS:-}}" timeout $((FUZZ_SECONDS + 120)) python3 "$REPO/scripts/fuzz_gpu.py" --seconds "$FUZZ_SECONDS" \
+    --seed "${FUZZ_SEED:-0}" --json "$LOG/fuzz.json" >"$LOG/fuzz.log" 2>&1
+  fuzz_rc=$?
+  grep -E "FAIL|cases \(" "$LOG/fuzz.log" | tail -40
+  [ "$fuzz_rc" = 0 ] || { echo "fuzz: exit $fuzz_rc (log: fuzz.log)"; tail -5 "$LOG/fuzz.log"; rc=1; }
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 900 python3 -m jax_hopper.bench ${BENCH_ARGS:-} --json "$LOG/bench.json" 2>"$LOG/bench.err" |

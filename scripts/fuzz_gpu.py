@@ -1,0 +1,414 @@
+"""Differential fuzz on a Hopper GPU: random products, layers and gradients through every
+path, each against its f32 reference, element by element, until a time budget runs out.
+
+The test suite checks chosen shapes; this draws fresh ones (tile edges, odd sizes, tiny and
+few-thousand dimensions, batches, layouts, dtypes) for:
+  kind    each compiled kernel kind by name (_primitive.gemm), in the layouts, dtypes and
+          output types it is compiled for, output poisoned with NaN first;
+  dot     the public dot_general with random dimension numbers (batch, free and contracting
+          dims in any order, several of each) under policies "kernel" and "auto";
+  vjp     both cotangents of a product under policy "kernel" (the backward products in
+          the other layouts), for a fresh 16-bit cotangent;
+  dense   jax_hopper.dense with a random activation, bias, residual and leading dims;
+  mlp     jax_hopper.mlp's value and reverse-mode gradients (the backward and derivative
+          forms under "kernel") for a fresh cotangent.
+
+Bounds (why they hold, not tuned): a product rounded once may differ from the f32 reference
+by one ulp of its type plus the worst-case f32 summation error K u sum|a||b| (u = 2^-24;
+2^-11 for the f16-accumulating kind), as tests/helpers.assert_same_product has it. A
+layer or gradient rounds intermediates as jnp's own does, so its largest elementwise error
+may be at most twice jnp's own largest error against the same f32 reference, plus one ulp
+of the largest element (and, for layers, the summation term and the activation's own
+approximation, at most an ulp of |z|). A wrong tile, row or column, a stale or unwritten
+element is off by the data's own scale, hundreds of ulps: far outside either bound.
+
+    python scripts/fuzz_gpu.py --seconds 300 --seed 0 --json fuzz.json
+
+Prints each case before it runs (a hang names its case) and every failure with what
+reproduces it (family, seed, case); exits 1 if any case failed. Off a Hopper GPU it runs
+the same cases through the fallback (a check of the harness, not of the kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from helpers import F32_UNIT_ROUNDOFF, ULP, run_into_poison  # noqa: E402
+
+import jax_hopper  # noqa: E402
+from jax_hopper._primitive import KERNELS, gemm  # noqa: E402
+
+F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+F16_UNIT_ROUNDOFF = 2.0**-11
+LAYOUTS = [(False, False), (False, True), (True, False), (True, True)]  # (transpose_a, transpose_b)
+JNP_LAYOUT = [(False, False)]
+# What each kind is compiled for (cuda/gemm/instances.def): layouts, operand dtypes.
+KINDS = {
+    "persistent": (LAYOUTS, (F16, BF16)),
+    "v5": (JNP_LAYOUT, (F16, BF16)),
+    "persistent_basic": (JNP_LAYOUT, (F16,)),
+    "persistent_tma": (JNP_LAYOUT, (F16,)),
+    "persistent_wait0": (JNP_LAYOUT, (F16,)),
+    "persistent_immediate": (JNP_LAYOUT, (F16,)),
+    "persistent_static": (JNP_LAYOUT, (F16,)),
+    "persistent_streamk": (JNP_LAYOUT, (F16,)),
+    "persistent_pingpong": (JNP_LAYOUT, (F16,)),
+    "persistent_f16acc": (LAYOUTS, (F16,)),
+    "small_m": (JNP_LAYOUT, (F16, BF16)),
+}
+assert set(KINDS) == set(KERNELS), f"kinds with no fuzz entry, or gone: {set(KERNELS) ^ set(KINDS)}"
+ACTIVATIONS = [None, "relu", "gelu_tanh", "gelu_exact", "silu"]
+F32_ACT = {
+    None: lambda z: z,
+    "relu": jax.nn.relu,
+    "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
+    "gelu_exact": lambda z: jax.nn.gelu(z, approximate=False),
+    "silu": lambda z: z * jax.nn.sigmoid(z),
+}
+# Tile edges of the kinds (64/128-row, 128/256-column tiles, 64-deep K tiles) and TMA's
+# 8-element row multiple: sizes at, just under and just over them find off-by-ones.
+EDGES = (8, 16, 64, 128, 192, 256, 384, 512, 1024, 2048)
+MAX_OUTPUT = 2**23  # elements: keeps one case's reference and checks a fraction of a second
+MAX_FLOPS = 4e11
+
+
+class Case:
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def size(self, hi=4100):
+        r = self.rng.random()
+        if r < 0.15:
+            return int(self.rng.integers(1, 17))
+        if r < 0.4:
+            base = int(self.rng.choice(EDGES))
+            return max(1, base + int(self.rng.choice([-9, -8, -1, 0, 1, 7, 8])))
+        if r < 0.8:
+            return int(self.rng.integers(1, 700))
+        return int(self.rng.integers(700, hi))
+
+    def choice(self, xs):
+        return xs[int(self.rng.integers(len(xs)))]
+
+    def dims(self, count, budget_out, budget_k):
+        """`count` sizes (M, N, K-like), shrunk until the output and the work fit."""
+        while True:
+            m, n, k = self.size(), self.size(), self.size()
+            if m * n <= budget_out and 2.0 * m * n * k <= budget_k:
+                return m, n, k
+
+
+def normal(key, shape, dtype, k):
+    """The seed's data: standard normal scaled by K^-1/4 (C has unit variance)."""
+    return (jax.random.normal(key, shape, jnp.float32) / max(k, 1) ** 0.25).astype(dtype)
+
+
+def f32(x):
+    return x.astype(jnp.float32)
+
+
+def product_excess(out, lhs, rhs, dims, unit_roundoff=F32_UNIT_ROUNDOFF, scale_ok=None):
+    """The largest amount by which an element of `out` (a dot_general of lhs and rhs) is
+    off its f32 reference by more than one ulp of its type plus the summation bound (0 or
+    less: within; NaN where an element is NaN). scale_ok: an extra allowance per element."""
+    ref = lax.dot_general(f32(lhs), f32(rhs), dims, precision=lax.Precision.HIGHEST)
+    abs_sum = lax.dot_general(jnp.abs(f32(lhs)), jnp.abs(f32(rhs)), dims, precision=lax.Precision.HIGHEST)
+    k = math.prod(lhs.shape[d] for d in dims[0][0])
+    bound = ULP[jnp.dtype(out.dtype).name] * jnp.abs(ref) + k * unit_roundoff * abs_sum
+    if scale_ok is not None:
+        bound = jnp.maximum(bound, scale_ok)
+    return float(jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)) if out.size else 0.0
+
+
+def as_accurate_as_jnp(mine, jnp_own, exact, extra=0.0):
+    """(max|mine - exact|, allowed): allowed = 2 x jnp's own largest error + one ulp of
+    the largest exact element + extra."""
+    if mine.size == 0:
+        return 0.0, 0.0
+    err = float(jnp.max(jnp.abs(f32(mine) - exact)))
+    err_jnp = float(jnp.max(jnp.abs(f32(jnp_own) - exact)))
+    allowed = 2.0 * err_jnp + ULP[jnp.dtype(mine.dtype).name] * float(jnp.max(jnp.abs(exact))) + extra
+    return err, allowed
+
+
+# ---- families: each returns (description, ok, detail) -------------------------------------------
+
+def fuzz_kind(c: Case, key):
+    kind = c.choice(sorted(KINDS))
+    layouts, dtypes = KINDS[kind]
+    ta, tb = c.choice(layouts)
+    dtype = c.choice(dtypes)
+    out_dtype = F32 if kind != "persistent_f16acc" and c.rng.random() < 0.25 else dtype
+    batch = () if c.rng.random() < 0.7 else (int(c.rng.integers(1, 5)),)
+    bsz = math.prod(batch)
+    m, n, k = c.dims(3, MAX_OUTPUT // bsz, MAX_FLOPS / bsz)
+    if kind == "small_m" and c.rng.random() < 0.7:
+        m = int(c.rng.integers(1, 257))  # its own range: decode-sized M
+    ka, kb = jax.random.split(key)
+    a = normal(ka, batch + ((k, m) if ta else (m, k)), dtype, k)
+    b = normal(kb, batch + ((n, k) if tb else (k, n)), dtype, k)
+    what = f"kind {kind} {dtype.name}->{out_dtype.name} batch={batch} m,n,k={m},{n},{k} ta={ta} tb={tb}"
+    out, aliased = run_into_poison(
+        lambda x, y: gemm(x, y, transpose_a=ta, transpose_b=tb, out_dtype=out_dtype, kernel=kind),
+        batch + (m, n), out_dtype, a, b)
+    nb = len(batch)
+    bdims = (tuple(range(nb)), tuple(range(nb)))
+    dims = (((nb + (0 if ta else 1),), (nb + (1 if tb else 0),)), bdims)
+    unit = F16_UNIT_ROUNDOFF if kind == "persistent_f16acc" else F32_UNIT_ROUNDOFF
+    excess = product_excess(out, a, b, dims, unit)
+    return what, excess <= 0, f"excess {excess:.3e} (poisoned buffer aliased: {aliased})"
+
+
+def random_dimension_numbers(c: Case, dtype):
+    """Operands with nb batch, nc contracting and free dims, each operand's axes shuffled."""
+    nb, nc = int(c.rng.integers(0, 3)), int(c.rng.integers(1, 3))
+    fl, fr = int(c.rng.integers(0, 3)), int(c.rng.integers(0, 3))
+    small = lambda: int(c.rng.choice([1, 2, 3, 4, 5, 7, 8]))  # noqa: E731
+    big = c.size
+    while True:
+        bs = [small() for _ in range(nb)]
+        cs = [big() if i == 0 else small() for i in range(nc)]
+        ls = [big() if i == 0 else small() for i in range(fl)]
+        rs = [big() if i == 0 else small() for i in range(fr)]
+        out = math.prod(bs) * math.prod(ls) * math.prod(rs)
+        if out <= MAX_OUTPUT and 2.0 * out * math.prod(cs) <= MAX_FLOPS:
+            break
+    lhs_axes = [("b", i) for i in range(nb)] + [("c", i) for i in range(nc)] + [("f", i) for i in range(fl)]
+    rhs_axes = [("b", i) for i in range(nb)] + [("c", i) for i in range(nc)] + [("f", i) for i in range(fr)]
+    c.rng.shuffle(lhs_axes)
+    c.rng.shuffle(rhs_axes)
+    size = {"b": bs, "c": cs}
+    lhs_shape = tuple((ls if t == "f" else size[t])[i] for t, i in lhs_axes)
+    rhs_shape = tuple((rs if t == "f" else size[t])[i] for t, i in rhs_axes)
+    where = lambda axes, t, i: axes.index((t, i))  # noqa: E731
+    dims = ((tuple(where(lhs_axes, "c", i) for i in range(nc)), tuple(where(rhs_axes, "c", i) for i in range(nc))),
+            (tuple(where(lhs_axes, "b", i) for i in range(nb)), tuple(where(rhs_axes, "b", i) for i in range(nb))))
+    return lhs_shape, rhs_shape, dims
+
+
+def fuzz_dot(c: Case, key):
+    dtype = c.choice([F16, BF16])
+    policy = c.choice(["kernel", "auto"])
+    preferred = c.choice([None, None, F32])
+    lhs_shape, rhs_shape, dims = random_dimension_numbers(c, dtype)
+    k = math.prod(lhs_shape[d] for d in dims[0][0])
+    ka, kb = jax.random.split(key)
+    a, b = normal(ka, lhs_shape, dtype, k), normal(kb, rhs_shape, dtype, k)
+    out_shape = jax.eval_shape(lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=preferred), a, b)
+
+    def f(x, y):
+        with jax_hopper.dispatch(policy):
+            return jax_hopper.dot_general(x, y, dims, preferred_element_type=preferred)
+
+    with jax_hopper.dispatch(policy):
+        path = jax_hopper.dispatch_path(a, b, dims, preferred_element_type=preferred)
+    what = f"dot {policy} {dtype.name} pref={preferred} lhs={lhs_shape} rhs={rhs_shape} dims={dims} path={path}"
+    out, _ = run_into_poison(f, out_shape.shape, out_shape.dtype, a, b)
+    if out.shape != out_shape.shape or out.dtype != out_shape.dtype:
+        return what, False, f"type {out.shape} {out.dtype}, jnp's {out_shape.shape} {out_shape.dtype}"
+    # A degenerate product that XLA rewrites into a reduction may round more than the bound
+    # (assert_same_product): allow jnp's own error there too.
+    expected = lax.dot_general(a, b, dims, preferred_element_type=preferred)
+    ref = lax.dot_general(f32(a), f32(b), dims, precision=lax.Precision.HIGHEST)
+    excess = product_excess(out, a, b, dims, scale_ok=jnp.abs(f32(expected) - ref))
+    return what, excess <= 0, f"excess {excess:.3e}"
+
+
+def fuzz_vjp(c: Case, key):
+    dtype = c.choice([F16, BF16])
+    ta, tb = c.choice(LAYOUTS)
+    m, n, k = c.dims(3, MAX_OUTPUT, MAX_FLOPS / 3)
+    ka, kb, kg = jax.random.split(key, 3)
+    a = normal(ka, (k, m) if ta else (m, k), dtype, k)
+    b = normal(kb, (n, k) if tb else (k, n), dtype, k)
+    g = normal(kg, (m, n), dtype, 1)
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+
+    def f(x, y, g):
+        with jax_hopper.dispatch("kernel"):
+            return jax.vjp(lambda x, y: jax_hopper.dot_general(x, y, dims), x, y)[1](g)
+
+    da, db = jax.jit(f)(a, b, g)
+    what = f"vjp {dtype.name} m,n,k={m},{n},{k} ta={ta} tb={tb}"
+    # Each cotangent is a product of g with the other operand (contracting N), as jax's
+    # transpose rule of dot_general writes it.
+    da_ref = jax.vjp(lambda x: lax.dot_general(x, f32(b), dims, precision="highest"), f32(a))[1](f32(g))[0]
+    db_ref = jax.vjp(lambda y: lax.dot_general(f32(a), y, dims, precision="highest"), f32(b))[1](f32(g))[0]
+    da_abs = jax.vjp(lambda x: lax.dot_general(x, jnp.abs(f32(b)), dims, precision="highest"), f32(a))[1](
+        jnp.abs(f32(g)))[0]
+    db_abs = jax.vjp(lambda y: lax.dot_general(jnp.abs(f32(a)), y, dims, precision="highest"), f32(b))[1](
+        jnp.abs(f32(g)))[0]
+    excess = 0.0
+    for out, ref, abs_sum in ((da, da_ref, da_abs), (db, db_ref, db_abs)):
+        if out.shape != ref.shape or out.dtype != dtype:
+            return what, False, f"cotangent type {out.shape} {out.dtype}"
+        if out.size:
+            bound = ULP[dtype.name] * jnp.abs(ref) + n * F32_UNIT_ROUNDOFF * abs_sum
+            excess = max(excess, float(jnp.max(jnp.abs(f32(out) - ref) - bound)))
+    return what, excess <= 0, f"excess {excess:.3e}"
+
+
+def layer_reference(x, w, b, r, activation):
+    z = jnp.matmul(f32(x), f32(w), precision="highest")
+    if b is not None:
+        z = z + f32(b)
+    y = F32_ACT[activation](z)
+    return z, (y if r is None else y + f32(r))
+
+
+def fuzz_dense(c: Case, key):
+    dtype = c.choice([F16, BF16])
+    policy = c.choice(["kernel", "kernel", "auto"])
+    activation = c.choice(ACTIVATIONS)
+    lead = c.choice([(), (2,), (3, 2)])
+    rows = math.prod(lead)
+    m, n, k = c.dims(3, MAX_OUTPUT // rows, MAX_FLOPS / rows)
+    x_shape = lead + (m, k)
+    kx, kw, kb, kr = jax.random.split(key, 4)
+    x, w = normal(kx, x_shape, dtype, k), normal(kw, (k, n), dtype, k)
+    b = jax.random.normal(kb, (n,), jnp.float32).astype(dtype) if c.rng.random() < 0.7 else None
+    r = jax.random.normal(kr, lead + (m, n), jnp.float32).astype(dtype) if c.rng.random() < 0.5 else None
+    what = f"dense {policy} {dtype.name} {activation} x={x_shape} n={n} bias={b is not None} residual={r is not None}"
+
+    def f(x, w, b, r):
+        with jax_hopper.dispatch(policy):
+            return jax_hopper.dense(x, w, b, activation=activation, residual=r)
+
+    out, _ = run_into_poison(f, lead + (m, n), dtype, x, w, b, r)
+    z, ref = layer_reference(x, w, b, r, activation)
+    jnp_layer = F32_ACT[activation](x @ w + (0 if b is None else b))
+    jnp_layer = jnp_layer if r is None else jnp_layer + r
+    # The f32 sum's own error (K u sum|x||w|, through an activation of slope at most 1.13),
+    # and the activation's approximation in the kernel (an ulp of |z|), per element.
+    abs_sum = jnp.matmul(jnp.abs(f32(x)), jnp.abs(f32(w)), precision="highest")
+    per_element = 1.13 * k * F32_UNIT_ROUNDOFF * abs_sum + ULP[dtype.name] * jnp.abs(z)
+    err, allowed = as_accurate_as_jnp(out, jnp_layer, ref)
+    excess = float(jnp.max(jnp.abs(f32(out) - ref) - per_element - allowed, initial=0.0)) if out.size else 0.0
+    return what, excess <= 0 and not bool(jnp.isnan(out).any()), f"max err {err:.3e}, allowed {allowed:.3e} + " \
+        f"per element; excess {excess:.3e}"
+
+
+def fuzz_mlp(c: Case, key):
+    dtype = c.choice([F16, BF16])
+    policy = c.choice(["kernel", "kernel", "auto"])
+    activation = c.choice(ACTIVATIONS)
+    lead = c.choice([(), (2,)])
+    rows = math.prod(lead)
+    while True:
+        m, d, f = c.size(2100), c.size(2100), c.size(4100)
+        if rows * m * max(d, f) <= MAX_OUTPUT and 12.0 * rows * m * d * f <= MAX_FLOPS:
+            break
+    ks = jax.random.split(key, 6)
+    x = normal(ks[0], lead + (m, d), dtype, d)
+    w1, w2 = normal(ks[1], (d, f), dtype, d), normal(ks[2], (f, d), dtype, f)
+    b1 = jax.random.normal(ks[3], (f,), jnp.float32).astype(dtype) if c.rng.random() < 0.8 else None
+    b2 = jax.random.normal(ks[4], (d,), jnp.float32).astype(dtype) if c.rng.random() < 0.8 else None
+    residual = c.rng.random() < 0.7
+    dy = normal(ks[5], lead + (m, d), dtype, 1)
+    what = f"mlp {policy} {dtype.name} {activation} x={x.shape} f={f} b1={b1 is not None} b2={b2 is not None} " \
+           f"residual={residual}"
+    moving = [i for i, v in enumerate((x, w1, b1, w2, b2)) if v is not None]
+
+    def block(ours):
+        def fn(*p):
+            x, w1, b1, w2, b2 = p
+            if ours:
+                return jax_hopper.mlp(x, w1, b1, w2, b2, activation=activation, residual=x if residual else None)
+            h = F32_ACT[activation](x @ w1 + (0 if b1 is None else b1))
+            y = h @ w2 + (0 if b2 is None else b2)
+            return y + x if residual else y
+        return fn
+
+    def value_and_grads(fn, operands, g):
+        def run(*args):
+            with jax_hopper.dispatch(policy):
+                y, pullback = jax.vjp(
+                    lambda *mv: fn(*[mv[moving.index(i)] if i in moving else None for i in range(5)]),
+                    *[args[i] for i in moving])
+                return (y,) + tuple(pullback(g))
+        return jax.jit(run)(*operands)
+
+    operands = (x, w1, b1, w2, b2)
+    mine = value_and_grads(block(True), operands, dy)
+    jnp_own = value_and_grads(block(False), operands, dy)
+    exact = value_and_grads(block(False), tuple(None if v is None else f32(v) for v in operands), f32(dy))
+    names = ["y"] + ["d" + ("x", "w1", "b1", "w2", "b2")[i] for i in moving]
+    worst = []
+    ok = True
+    for name, o, j, e in zip(names, mine, jnp_own, exact):
+        if o.shape != e.shape or o.dtype != dtype:
+            return what, False, f"{name}: type {o.shape} {o.dtype}"
+        if bool(jnp.isnan(o).any()):
+            return what, False, f"{name}: NaN"
+        err, allowed = as_accurate_as_jnp(o, j, e)
+        ok &= err <= allowed
+        worst.append(f"{name} {err:.2e}/{allowed:.2e}")
+    return what, ok, "err/allowed: " + ", ".join(worst)
+
+
+FAMILIES = {"kind": fuzz_kind, "dot": fuzz_dot, "vjp": fuzz_vjp, "dense": fuzz_dense, "mlp": fuzz_mlp}
+WEIGHTS = {"kind": 4, "dot": 3, "vjp": 1, "dense": 2, "mlp": 1}
+
+
+def main(argv=None) -> int:
+    global MAX_FLOPS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=300.0, help="stop starting cases after this long")
+    parser.add_argument("--cases", type=int, default=10**9, help="at most this many cases")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated of {','.join(FAMILIES)}")
+    parser.add_argument("--only", type=int, default=None, help="run only case number ONLY (a failure's repro)")
+    parser.add_argument("--json", default=None, help="write every case's result here")
+    parser.add_argument("--max-flops", type=float, default=MAX_FLOPS, help="largest case's work (a CPU check: 1e9)")
+    args = parser.parse_args(argv)
+    MAX_FLOPS = args.max_flops
+    families = [f for f in args.families.split(",") if f]
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        parser.error(f"unknown families {sorted(unknown)}")
+    weights = np.array([WEIGHTS[f] for f in families], float)
+    print(f"devices: {jax.devices()}; kernel available: {jax_hopper.kernel_available()}", flush=True)
+    results, failures, start = [], 0, time.time()
+    for i in range(args.cases):
+        if args.only is None and time.time() - start > args.seconds:
+            break
+        if args.only is not None and i != args.only:
+            continue
+        # One generator per case: a case reproduces from (seed, number) alone.
+        rng = np.random.default_rng([args.seed, i])
+        family = families[int(rng.choice(len(families), p=weights / weights.sum()))]
+        key = jax.random.key(args.seed * 1_000_003 + i)
+        t0 = time.time()
+        try:
+            what, ok, detail = FAMILIES[family](Case(rng), key)
+        except Exception as e:  # a refused or crashing case is a finding too
+            what, ok, detail = f"{family} (raised)", False, "".join(traceback.format_exception_only(e)).strip()
+        results.append({"case": i, "family": family, "what": what, "ok": bool(ok), "detail": detail,
+                        "seconds": round(time.time() - t0, 3)})
+        print(f"[{i}] {'ok  ' if ok else 'FAIL'} {what}: {detail}", flush=True)
+        failures += not ok
+        if args.only is not None:
+            break
+    counts = {f: sum(r["family"] == f for r in results) for f in families}
+    print(f"{len(results)} cases ({counts}) in {time.time() - start:.0f} s, {failures} failed; "
+          f"reproduce one with --seed {args.seed} --families {','.join(families)} --only N", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"seed": args.seed, "families": families, "failures": failures, "cases": results}, fh, indent=1)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
