@@ -14,8 +14,9 @@ few-thousand dimensions, batches, layouts, dtypes) for:
           forms under "kernel") for a fresh cotangent.
 
 Bounds (why they hold, not tuned): a product rounded once may differ from the f32 reference
-by one ulp of its type plus the worst-case f32 summation error K u sum|a||b| (u = 2^-24;
-2^-11 for the f16-accumulating kind), as tests/helpers.assert_same_product has it. A
+by one ulp of its type (the subnormal spacing near zero) plus the worst-case f32 summation
+error K u sum|a||b| (u = 2^-24; 2^-11 for the f16-accumulating kind), as
+tests/helpers.assert_same_product has it. A
 layer or gradient rounds intermediates as jnp's own does, so its largest elementwise error
 may be at most twice jnp's own largest error against the same f32 reference, plus one ulp
 of the largest element (and, for layers, the summation term and the activation's own
@@ -46,6 +47,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from helpers import F32_UNIT_ROUNDOFF, ULP, run_into_poison  # noqa: E402
+from test_dense import ACTIVATIONS, F32_ACT  # noqa: E402
 
 import jax_hopper  # noqa: E402
 from jax_hopper._primitive import KERNELS, gemm  # noqa: E402
@@ -69,19 +71,11 @@ KINDS = {
     "small_m": (JNP_LAYOUT, (F16, BF16)),
 }
 assert set(KINDS) == set(KERNELS), f"kinds with no fuzz entry, or gone: {set(KERNELS) ^ set(KINDS)}"
-ACTIVATIONS = [None, "relu", "gelu_tanh", "gelu_exact", "silu"]
-F32_ACT = {
-    None: lambda z: z,
-    "relu": jax.nn.relu,
-    "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
-    "gelu_exact": lambda z: jax.nn.gelu(z, approximate=False),
-    "silu": lambda z: z * jax.nn.sigmoid(z),
-}
 # Tile edges of the kinds (64/128-row, 128/256-column tiles, 64-deep K tiles) and TMA's
 # 8-element row multiple: sizes at, just under and just over them find off-by-ones.
 EDGES = (8, 16, 64, 128, 192, 256, 384, 512, 1024, 2048)
 MAX_OUTPUT = 2**23  # elements: keeps one case's reference and checks a fraction of a second
-MAX_FLOPS = 4e11
+MAX_FLOPS = MAX_FLOPS_DEFAULT = 4e11
 
 
 class Case:
@@ -119,6 +113,12 @@ def f32(x):
     return x.astype(jnp.float32)
 
 
+def rounding(dtype, x):
+    """One ulp of x in `dtype`, elementwise: relative for normal numbers, the subnormal
+    spacing near zero (a sum that cancels to a few 2^-24 rounds to f16's subnormals)."""
+    return ULP[jnp.dtype(dtype).name] * jnp.abs(x) + float(jnp.finfo(dtype).smallest_subnormal)
+
+
 def product_excess(out, lhs, rhs, dims, unit_roundoff=F32_UNIT_ROUNDOFF, scale_ok=None):
     """The largest amount by which an element of `out` (a dot_general of lhs and rhs) is
     off its f32 reference by more than one ulp of its type plus the summation bound (0 or
@@ -126,7 +126,7 @@ def product_excess(out, lhs, rhs, dims, unit_roundoff=F32_UNIT_ROUNDOFF, scale_o
     ref = lax.dot_general(f32(lhs), f32(rhs), dims, precision=lax.Precision.HIGHEST)
     abs_sum = lax.dot_general(jnp.abs(f32(lhs)), jnp.abs(f32(rhs)), dims, precision=lax.Precision.HIGHEST)
     k = math.prod(lhs.shape[d] for d in dims[0][0])
-    bound = ULP[jnp.dtype(out.dtype).name] * jnp.abs(ref) + k * unit_roundoff * abs_sum
+    bound = rounding(out.dtype, ref) + k * unit_roundoff * abs_sum
     if scale_ok is not None:
         bound = jnp.maximum(bound, scale_ok)
     return float(jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)) if out.size else 0.0
@@ -255,7 +255,7 @@ def fuzz_vjp(c: Case, key):
         if out.shape != ref.shape or out.dtype != dtype:
             return what, False, f"cotangent type {out.shape} {out.dtype}"
         if out.size:
-            bound = ULP[dtype.name] * jnp.abs(ref) + n * F32_UNIT_ROUNDOFF * abs_sum
+            bound = rounding(dtype, ref) + n * F32_UNIT_ROUNDOFF * abs_sum
             excess = max(excess, float(jnp.max(jnp.abs(f32(out) - ref) - bound)))
     return what, excess <= 0, f"excess {excess:.3e}"
 
@@ -293,7 +293,7 @@ def fuzz_dense(c: Case, key):
     # The f32 sum's own error (K u sum|x||w|, through an activation of slope at most 1.13),
     # and the activation's approximation in the kernel (an ulp of |z|), per element.
     abs_sum = jnp.matmul(jnp.abs(f32(x)), jnp.abs(f32(w)), precision="highest")
-    per_element = 1.13 * k * F32_UNIT_ROUNDOFF * abs_sum + ULP[dtype.name] * jnp.abs(z)
+    per_element = 1.13 * k * F32_UNIT_ROUNDOFF * abs_sum + rounding(dtype, z)
     err, allowed = as_accurate_as_jnp(out, jnp_layer, ref)
     excess = float(jnp.max(jnp.abs(f32(out) - ref) - per_element - allowed, initial=0.0)) if out.size else 0.0
     return what, excess <= 0 and not bool(jnp.isnan(out).any()), f"max err {err:.3e}, allowed {allowed:.3e} + " \
@@ -402,8 +402,10 @@ def main(argv=None) -> int:
         if args.only is not None:
             break
     counts = {f: sum(r["family"] == f for r in results) for f in families}
+    repro = f"--seed {args.seed} --families {','.join(families)}"
+    repro += f" --max-flops {args.max_flops:g}" if args.max_flops != MAX_FLOPS_DEFAULT else ""
     print(f"{len(results)} cases ({counts}) in {time.time() - start:.0f} s, {failures} failed; "
-          f"reproduce one with --seed {args.seed} --families {','.join(families)} --only N", flush=True)
+          f"reproduce one with {repro} --only N", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"seed": args.seed, "families": families, "failures": failures, "cases": results}, fh, indent=1)
