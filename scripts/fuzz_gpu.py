@@ -7,11 +7,13 @@ few-thousand dimensions, batches, layouts, dtypes) for:
           output types it is compiled for, output poisoned with NaN first;
   dot     the public dot_general with random dimension numbers (batch, free and contracting
           dims in any order, several of each) under policies "kernel" and "auto";
+  matmul  the public matmul: 1-D operands, leading dims broadcast as jnp.matmul's;
   vjp     both cotangents of a product under policy "kernel" (the backward products in
           the other layouts), for a fresh 16-bit cotangent;
   dense   jax_hopper.dense with a random activation, bias, residual and leading dims;
-  mlp     jax_hopper.mlp's value and reverse-mode gradients (the backward and derivative
-          forms under "kernel") for a fresh cotangent.
+  mlp     jax_hopper.mlp's value and its derivatives in all or some operands: reverse mode
+          for a fresh cotangent (the backward and derivative forms under "kernel"), or
+          forward mode for fresh tangents.
 
 Bounds (why they hold, not tuned): a product rounded once may differ from the f32 reference
 by one ulp of its type (the subnormal spacing near zero) plus the worst-case f32 summation
@@ -341,9 +343,16 @@ def fuzz_mlp(c: Case):
     b2 = normal(c, (d,), dtype) if c.rng.random() < 0.8 else None
     residual = c.rng.random() < 0.7
     dy = normal(c, lead + (m, d), dtype)
-    what = f"mlp {policy} {dtype.name} {activation} x={x.shape} f={f} b1={b1 is not None} b2={b2 is not None} " \
-           f"residual={residual}"
-    moving = [i for i, v in enumerate((x, w1, b1, w2, b2)) if v is not None]
+    present = [i for i, v in enumerate((x, w1, b1, w2, b2)) if v is not None]
+    # Derivatives in every operand, or in some (an operand held fixed gets no cotangent:
+    # a frozen bias has no column sum computed).
+    moving = present if c.rng.random() < 0.5 else sorted(
+        int(i) for i in c.rng.choice(present, size=int(c.rng.integers(1, len(present) + 1)), replace=False))
+    mode = c.choice(["reverse", "reverse", "forward"])
+    tangents = [normal(c, (x, w1, b1, w2, b2)[i].shape, dtype) for i in moving]
+    names = ("x", "w1", "b1", "w2", "b2")
+    what = f"mlp {mode} {policy} {dtype.name} {activation} x={x.shape} f={f} b1={b1 is not None} " \
+           f"b2={b2 is not None} residual={residual} moving={[names[i] for i in moving]}"
 
     def block(ours):
         def fn(*p):
@@ -355,20 +364,24 @@ def fuzz_mlp(c: Case):
             return y + x if residual else y
         return fn
 
-    def value_and_grads(fn, operands, g):
-        def run(*args):
+    def derivatives(fn, operands, g, ts):
+        """(y, each moving operand's cotangent for dy = g) or (y, y's tangent)."""
+        def run(args, g, ts):
+            of_moving = lambda *mv: fn(*[mv[moving.index(i)] if i in moving else args[i]  # noqa: E731
+                                         for i in range(5)])
             with jax_hopper.dispatch(policy):
-                y, pullback = jax.vjp(
-                    lambda *mv: fn(*[mv[moving.index(i)] if i in moving else None for i in range(5)]),
-                    *[args[i] for i in moving])
+                if mode == "forward":
+                    return jax.jvp(of_moving, tuple(args[i] for i in moving), tuple(ts))
+                y, pullback = jax.vjp(of_moving, *[args[i] for i in moving])
                 return (y,) + tuple(pullback(g))
-        return jax.jit(run)(*operands)
+        return jax.jit(run)(operands, g, ts)
 
     operands = (x, w1, b1, w2, b2)
-    mine = value_and_grads(block(True), operands, dy)
-    jnp_own = value_and_grads(block(False), operands, dy)
-    exact = value_and_grads(block(False), tuple(None if v is None else f32(v) for v in operands), f32(dy))
-    names = ["y"] + ["d" + ("x", "w1", "b1", "w2", "b2")[i] for i in moving]
+    mine = derivatives(block(True), operands, dy, tangents)
+    jnp_own = derivatives(block(False), operands, dy, tangents)
+    exact = derivatives(block(False), tuple(None if v is None else f32(v) for v in operands), f32(dy),
+                        [f32(t) for t in tangents])
+    names = ["y"] + (["dy (tangent)"] if mode == "forward" else ["d" + names[i] for i in moving])
     worst = []
     ok = True
     for name, o, e in zip(names, mine, exact):
@@ -380,8 +393,47 @@ def fuzz_mlp(c: Case):
     return what, ok, "err/allowed: " + ", ".join(worst)
 
 
-FAMILIES = {"kind": fuzz_kind, "dot": fuzz_dot, "vjp": fuzz_vjp, "dense": fuzz_dense, "mlp": fuzz_mlp}
-WEIGHTS = {"kind": 4, "dot": 3, "vjp": 1, "dense": 2, "mlp": 1}
+def fuzz_matmul(c: Case):
+    """jnp.matmul's semantics: 1-D operands, leading dims broadcast against each other."""
+    dtype = c.choice([F16, BF16])
+    policy = c.choice(["kernel", "auto"])
+    while True:
+        m, n, k = c.size(), c.size(), c.size()
+        batch = [int(c.rng.choice([1, 2, 3])) for _ in range(int(c.rng.integers(0, 3)))]
+        a_batch = [b if c.rng.random() < 0.7 else 1 for b in batch][int(c.rng.integers(0, len(batch) + 1)):]
+        b_batch = [b if c.rng.random() < 0.7 else 1 for b in batch][int(c.rng.integers(0, len(batch) + 1)):]
+        a_shape = (k,) if c.rng.random() < 0.1 else tuple(a_batch) + (m, k)
+        b_shape = (k,) if c.rng.random() < 0.1 else tuple(b_batch) + (k, n)
+        out = jax.eval_shape(jnp.matmul, jax.ShapeDtypeStruct(a_shape, dtype), jax.ShapeDtypeStruct(b_shape, dtype))
+        if math.prod(out.shape) <= MAX_OUTPUT and 2.0 * math.prod(out.shape) * k <= MAX_FLOPS:
+            break
+    a, b = normal(c, a_shape, dtype, k), normal(c, b_shape, dtype, k)
+
+    def f(x, y):
+        with jax_hopper.dispatch(policy):
+            return jax_hopper.matmul(x, y)
+
+    what = f"matmul {policy} {dtype.name} a={a_shape} b={b_shape}"
+    result, _ = run_into_poison(f, out.shape, out.dtype, a, b)
+    if result.shape != out.shape or result.dtype != out.dtype:
+        return what, False, f"type {result.shape} {result.dtype}, jnp's {out.shape} {out.dtype}"
+    excess = float(_matmul_excess(result, a, b))
+    return what, excess <= 0, f"excess {excess:.3e}"
+
+
+@jax.jit
+def _matmul_excess(out, a, b):
+    ref = jnp.matmul(f32(a), f32(b), precision="highest")
+    abs_sum = jnp.matmul(jnp.abs(f32(a)), jnp.abs(f32(b)), precision="highest")
+    jnp_own = jnp.matmul(a, b)  # a vector product XLA may reduce, rounding more than the bound
+    bound = jnp.maximum(rounding(out.dtype, ref) + a.shape[-1] * F32_UNIT_ROUNDOFF * abs_sum,
+                        jnp.abs(f32(jnp_own) - ref))
+    return jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)
+
+
+FAMILIES = {"kind": fuzz_kind, "dot": fuzz_dot, "matmul": fuzz_matmul, "vjp": fuzz_vjp, "dense": fuzz_dense,
+            "mlp": fuzz_mlp}
+WEIGHTS = {"kind": 4, "dot": 2, "matmul": 1, "vjp": 1, "dense": 2, "mlp": 2}
 
 
 def main(argv=None) -> int:
