@@ -431,7 +431,8 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
         return fn(a, b)
     a, b = promoted
     kw = dict(precision=precision, preferred_element_type=preferred_element_type, accumulation=accumulation)
-    return _matmul_as_dot_general(a, b, functools.partial(dot_general, **kw))
+    return _matmul_as_dot_general(a, b, functools.partial(dot_general, **kw), jnp_matmul=fn,
+                                  path=functools.partial(dispatch_path, **kw))
 
 
 def _broadcast_batch(x, batch, specs):
@@ -462,20 +463,33 @@ def _batch_specs(x, count):
     return (None,) * (count - len(spec)) + spec
 
 
-def _matmul_broadcast(a, b, dot_general_fn):
+def _matmul_broadcast(a, b, dot_general_fn, jnp_matmul=None, path=None):
     """matmul where `b` has batch dims that `a` lacks (or has as 1): both broadcast to
     the common batch, one batched launch. jnp.matmul's decomposition (b's extra batch
     dims as free dims of b, beside N) would need b transposed to [K, batch * N] before
-    our kernel (a copy of b; under Auto axes a sharded N gathered)."""
+    our kernel (a copy of b; under Auto axes a sharded N gathered).
+
+    Where the batched product would not run our kernel (`path`, the dispatcher's answer
+    for it), the broadcast buys nothing and `jnp_matmul` computes jnp's own program: no
+    copy of `a`, partitioned as jnp's (a K sharded on b alone: the broadcast form's
+    program summed 16-bit partial products where jnp's gathers K; found by
+    scripts/fuzz_gpu.py). Not for an f32 result of f16 operands, whose derivative takes
+    our rule on the XLA path too (dot_general: _rounds_f32_cotangent)."""
     a_vec, b_vec = a.ndim == 1, b.ndim == 1
     a2 = a[None, :] if a_vec else a
     b2 = b[:, None] if b_vec else b
     batch = tuple(jnp.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
     nb = len(batch)
+    dims = (((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb))))
+    if jnp_matmul is not None:
+        batched = [jax.ShapeDtypeStruct(batch + x.shape[-2:], x.dtype) for x in (a2, b2)]
+        out_dtype = jax.eval_shape(jnp_matmul, a, b).dtype
+        if path(*batched, dims)[0] != "kernel" and not (out_dtype == F32 and a.dtype == F16):
+            return jnp_matmul(a, b)
 
     specs = tuple(sa if sa is not None else sb for sa, sb in zip(_batch_specs(a2, nb), _batch_specs(b2, nb)))
     a2, b2 = _broadcast_batch(a2, batch, specs), _broadcast_batch(b2, batch, specs)
-    out = dot_general_fn(a2, b2, (((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb)))))
+    out = dot_general_fn(a2, b2, dims)
     if a_vec:
         out = jnp.squeeze(out, axis=-2)
     if b_vec:
@@ -492,7 +506,7 @@ def _definitely_equal(x, y) -> bool:
         return False
 
 
-def _matmul_as_dot_general(a, b, dot_general_fn):
+def _matmul_as_dot_general(a, b, dot_general_fn, jnp_matmul=None, path=None):
     """jnp.matmul's own decomposition into one dot_general where `a` holds every batch
     dim: a batch dim present in both operands (same size and sharding) is a batch dim of
     the product; one of `a`'s that `b` lacks or has as 1 is a free dim of `a`, folded
@@ -531,7 +545,7 @@ def _matmul_as_dot_general(a, b, dot_general_fn):
         else:  # jnp's check (_check) refuses these first
             raise ValueError(f"Incompatible types for matmul arguments: {jax.typeof(a)} and {jax.typeof(b)}")
     if idx_b_other:  # b's own batch dims beside N (see _matmul_broadcast)
-        return _matmul_broadcast(a, b, dot_general_fn)
+        return _matmul_broadcast(a, b, dot_general_fn, jnp_matmul, path)
     if a_is_mat:
         idx_a_other.append(nb)
     if b_is_mat:

@@ -13,7 +13,10 @@ few-thousand dimensions, batches, layouts, dtypes) for:
   dense   jax_hopper.dense with a random activation, bias, residual and leading dims;
   mlp     jax_hopper.mlp's value and its derivatives in all or some operands: reverse mode
           for a fresh cotangent (the backward and derivative forms under "kernel"), or
-          forward mode for fresh tangents.
+          forward mode for fresh tangents;
+  sharded one of dot, matmul, vjp, dense, mlp with every operand placed on a mesh of all
+          devices (Auto axes, a random spec each; two or more devices, e.g. --cpu-devices 8
+          on a CPU): the same bounds, and results sharded as jnp's are.
 
 Bounds (why they hold, not tuned): a product rounded once may differ from the f32 reference
 by one ulp of its type (the subnormal spacing near zero) plus the worst-case f32 summation
@@ -43,10 +46,27 @@ import sys
 import time
 import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
+
+def _cpu_devices_flag(argv) -> int | None:
+    for i, arg in enumerate(argv):
+        if arg == "--cpu-devices" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if arg.startswith("--cpu-devices="):
+            return int(arg.split("=", 1)[1])
+    return None
+
+
+# CPU devices must be asked for before jax starts its backends (importing jax_hopper does).
+if __name__ == "__main__" and _cpu_devices_flag(sys.argv):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={_cpu_devices_flag(sys.argv)}").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from helpers import F32_UNIT_ROUNDOFF, ULP, run_into_poison  # noqa: E402
@@ -82,8 +102,42 @@ MAX_FLOPS = MAX_FLOPS_DEFAULT = 4e11
 
 
 class Case:
-    def __init__(self, rng: np.random.Generator):
+    """One case's random draws; under a mesh (the sharded family) every operand is placed
+    with a random partition spec, and results are compared with jnp's shardings too."""
+
+    def __init__(self, rng: np.random.Generator, mesh=None):
         self.rng = rng
+        self.mesh = mesh
+        self.specs = []  # each operand's spec, for the case's description
+        self.sharding_mismatches = []
+
+    def place(self, x):
+        if self.mesh is None:
+            return x
+        free = list(self.mesh.shape.items())
+        spec = []
+        for dim in x.shape:
+            fits = [(name, size) for name, size in free if dim % size == 0]
+            if fits and self.rng.random() < 0.4:
+                name, size = fits[int(self.rng.integers(len(fits)))]
+                free.remove((name, size))
+                spec.append(name)
+            else:
+                spec.append(None)
+        self.specs.append(tuple(spec))
+        return jax.device_put(x, NamedSharding(self.mesh, P(*spec)))
+
+    def run(self, fn, out_shape, dtype, *args):
+        """jit(fn)(*args) into a NaN-poisoned output buffer (unsharded cases; a sharded
+        result is not the single-device poison's buffer)."""
+        if self.mesh is not None:
+            return jax.jit(fn)(*args)
+        return run_into_poison(fn, out_shape, dtype, *args)[0]
+
+    def same_sharding(self, name, mine, jnp_own):
+        """Under a mesh, `mine` must come out sharded as jnp's own result does."""
+        if self.mesh is not None and not mine.sharding.is_equivalent_to(jnp_own.sharding, mine.ndim):
+            self.sharding_mismatches.append(f"{name}: {mine.sharding.spec} where jnp's is {jnp_own.sharding.spec}")
 
     def size(self, hi=4100):
         r = self.rng.random()
@@ -111,7 +165,7 @@ def normal(c: Case, shape, dtype, k=1):
     """The seed's data: standard normal scaled by K^-1/4 (C has unit variance), drawn on
     the host (jax.random would compile a program for every new shape)."""
     x = c.rng.standard_normal(shape, dtype=np.float32) / np.float32(max(k, 1) ** 0.25)
-    return jnp.asarray(x.astype(dtype))
+    return c.place(jnp.asarray(x.astype(dtype)))
 
 
 def f32(x):
@@ -179,15 +233,14 @@ def fuzz_kind(c: Case):
     a = normal(c, batch + ((k, m) if ta else (m, k)), dtype, k)
     b = normal(c, batch + ((n, k) if tb else (k, n)), dtype, k)
     what = f"kind {kind} {dtype.name}->{out_dtype.name} batch={batch} m,n,k={m},{n},{k} ta={ta} tb={tb}"
-    out, aliased = run_into_poison(
-        lambda x, y: gemm(x, y, transpose_a=ta, transpose_b=tb, out_dtype=out_dtype, kernel=kind),
-        batch + (m, n), out_dtype, a, b)
+    out = c.run(lambda x, y: gemm(x, y, transpose_a=ta, transpose_b=tb, out_dtype=out_dtype, kernel=kind),
+                batch + (m, n), out_dtype, a, b)
     nb = len(batch)
     bdims = (tuple(range(nb)), tuple(range(nb)))
     dims = (((nb + (0 if ta else 1),), (nb + (1 if tb else 0),)), bdims)
     unit = F16_UNIT_ROUNDOFF if kind == "persistent_f16acc" else F32_UNIT_ROUNDOFF
     excess = product_excess(out, a, b, dims, unit)
-    return what, excess <= 0, f"excess {excess:.3e} (poisoned buffer aliased: {aliased})"
+    return what, excess <= 0, f"excess {excess:.3e}"
 
 
 def random_dimension_numbers(c: Case, dtype):
@@ -233,11 +286,12 @@ def fuzz_dot(c: Case):
     with jax_hopper.dispatch(policy):
         path = jax_hopper.dispatch_path(a, b, dims, preferred_element_type=preferred)
     what = f"dot {policy} {dtype.name} pref={preferred} lhs={lhs_shape} rhs={rhs_shape} dims={dims} path={path}"
-    out, _ = run_into_poison(f, out_shape.shape, out_shape.dtype, a, b)
+    out = c.run(f, out_shape.shape, out_shape.dtype, a, b)
     if out.shape != out_shape.shape or out.dtype != out_shape.dtype:
         return what, False, f"type {out.shape} {out.dtype}, jnp's {out_shape.shape} {out_shape.dtype}"
     expected = jax.jit(lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=preferred))(a, b)
     excess = product_excess(out, a, b, dims, jnp_own=expected)
+    c.same_sharding("result", out, expected)
     return what, excess <= 0, f"excess {excess:.3e}"
 
 
@@ -259,6 +313,11 @@ def fuzz_vjp(c: Case):
     for out, want in ((da, a), (db, b)):
         if out.shape != want.shape or out.dtype != dtype:
             return what, False, f"cotangent type {out.shape} {out.dtype}"
+    if c.mesh is not None:
+        jnp_da, jnp_db = jax.jit(lambda x, y, g: jax.vjp(lambda x, y: lax.dot_general(x, y, dims), x, y)[1](g))(
+            a, b, g)
+        c.same_sharding("da", da, jnp_da)
+        c.same_sharding("db", db, jnp_db)
     excess = float(_vjp_excess(a, b, g, da, db, dims=dims))
     return what, excess <= 0, f"excess {excess:.3e}"
 
@@ -278,6 +337,12 @@ def _vjp_excess(a, b, g, da, db, *, dims):
     excess = [jnp.max(jnp.abs(f32(o) - r) - rounding(o.dtype, r) - n * F32_UNIT_ROUNDOFF * s, initial=0.0)
               for o, r, s in zip((da, db), refs, abs_sums)]
     return jnp.maximum(*excess)
+
+
+def jnp_layer(x, w, b, r, *, activation):
+    """The layer as a jnp user writes it."""
+    y = F32_ACT[activation](x @ w + (0 if b is None else b))
+    return y if r is None else y + r
 
 
 def layer_reference(x, w, b, r, activation):
@@ -305,19 +370,19 @@ def fuzz_dense(c: Case):
         with jax_hopper.dispatch(policy):
             return jax_hopper.dense(x, w, b, activation=activation, residual=r)
 
-    out, _ = run_into_poison(f, lead + (m, n), dtype, x, w, b, r)
-    err, allowed, excess, nan = (float(v) for v in _dense_errors(out, x, w, b, r, activation=activation))
+    out = c.run(f, lead + (m, n), dtype, x, w, b, r)
+    jnp_own = jax.jit(jnp_layer, static_argnames="activation")(x, w, b, r, activation=activation)
+    c.same_sharding("result", out, jnp_own)
+    err, allowed, excess, nan = (float(v) for v in _dense_errors(out, x, w, b, r, jnp_own, activation=activation))
     return what, excess <= 0 and not nan, f"max err {err:.3e}, allowed {allowed:.3e} + per element; " \
         f"excess {excess:.3e}"
 
 
 @functools.partial(jax.jit, static_argnames="activation")
-def _dense_errors(out, x, w, b, r, *, activation):
+def _dense_errors(out, x, w, b, r, jnp_own, *, activation):
     z, ref = layer_reference(x, w, b, r, activation)
-    jnp_layer = F32_ACT[activation](x @ w + (0 if b is None else b))
-    jnp_layer = jnp_layer if r is None else jnp_layer + r
     err = jnp.max(jnp.abs(f32(out) - ref), initial=0.0)
-    allowed = 2.0 * jnp.max(jnp.abs(f32(jnp_layer) - ref), initial=0.0) + \
+    allowed = 2.0 * jnp.max(jnp.abs(f32(jnp_own) - ref), initial=0.0) + \
         ULP[jnp.dtype(out.dtype).name] * jnp.max(jnp.abs(ref), initial=0.0)
     # The f32 sum's own error (K u sum|x||w|, through an activation of slope at most 1.13),
     # and the activation's approximation in the kernel (an ulp of |z|), per element.
@@ -384,9 +449,10 @@ def fuzz_mlp(c: Case):
     names = ["y"] + (["dy (tangent)"] if mode == "forward" else ["d" + names[i] for i in moving])
     worst = []
     ok = True
-    for name, o, e in zip(names, mine, exact):
+    for name, o, j, e in zip(names, mine, jnp_own, exact):
         if o.shape != e.shape or o.dtype != dtype:
             return what, False, f"{name}: type {o.shape} {o.dtype}"
+        c.same_sharding(name, o, j)
     for name, (err, allowed, nan) in zip(names, as_accurate_as_jnp(mine, jnp_own, exact)):
         ok &= err <= allowed and not nan
         worst.append(f"{name} {err:.2e}/{allowed:.2e}{' NaN' if nan else ''}")
@@ -414,26 +480,60 @@ def fuzz_matmul(c: Case):
             return jax_hopper.matmul(x, y)
 
     what = f"matmul {policy} {dtype.name} a={a_shape} b={b_shape}"
-    result, _ = run_into_poison(f, out.shape, out.dtype, a, b)
+    result = c.run(f, out.shape, out.dtype, a, b)
     if result.shape != out.shape or result.dtype != out.dtype:
         return what, False, f"type {result.shape} {result.dtype}, jnp's {out.shape} {out.dtype}"
-    excess = float(_matmul_excess(result, a, b))
+    # jnp's own product, its own program: inside the check's program XLA may partition it
+    # otherwise (a K-split bf16 product's partial sums rounded or not).
+    jnp_own = jax.jit(jnp.matmul)(a, b)
+    c.same_sharding("result", result, jnp_own)
+    excess = float(_matmul_excess(result, a, b, jnp_own))
     return what, excess <= 0, f"excess {excess:.3e}"
 
 
 @jax.jit
-def _matmul_excess(out, a, b):
+def _matmul_excess(out, a, b, jnp_own):
+    """As product_excess, with jnp.matmul's own error allowed (a vector product XLA may
+    reduce, a K-split sharded product's partial sums rounded: more than the bound)."""
     ref = jnp.matmul(f32(a), f32(b), precision="highest")
     abs_sum = jnp.matmul(jnp.abs(f32(a)), jnp.abs(f32(b)), precision="highest")
-    jnp_own = jnp.matmul(a, b)  # a vector product XLA may reduce, rounding more than the bound
     bound = jnp.maximum(rounding(out.dtype, ref) + a.shape[-1] * F32_UNIT_ROUNDOFF * abs_sum,
                         jnp.abs(f32(jnp_own) - ref))
     return jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)
 
 
+# The ops a sharded case runs (the kind family's named kinds are for one device's product).
+SHARDED_FAMILIES = ("dot", "matmul", "vjp", "dense", "mlp")
+
+
+def fuzz_sharded(c: Case):
+    """Another family's case with every operand placed on a mesh of all devices (Auto axes,
+    a random spec per operand): the same bounds. A result sharded otherwise than jnp's
+    (XLA's propagation under conflicting specs; a fold of a sharded minor free dim, which
+    XLA gathers) is reported, not a failure, unless --strict-sharding: values decide."""
+    if c.mesh is None:
+        raise RuntimeError("the sharded family needs a mesh (two or more devices)")
+    family = c.choice(SHARDED_FAMILIES)
+    what, ok, detail = FAMILIES[family](c)
+    if c.sharding_mismatches:
+        detail = f"{detail}; SHARDING differs from jnp's: {'; '.join(c.sharding_mismatches)}"
+    return f"sharded {what} specs={c.specs}", ok, detail
+
+
 FAMILIES = {"kind": fuzz_kind, "dot": fuzz_dot, "matmul": fuzz_matmul, "vjp": fuzz_vjp, "dense": fuzz_dense,
-            "mlp": fuzz_mlp}
-WEIGHTS = {"kind": 4, "dot": 2, "matmul": 1, "vjp": 1, "dense": 2, "mlp": 2}
+            "mlp": fuzz_mlp, "sharded": fuzz_sharded}
+WEIGHTS = {"kind": 4, "dot": 2, "matmul": 1, "vjp": 1, "dense": 2, "mlp": 2, "sharded": 3}
+
+
+def make_mesh():
+    """All devices of the default platform as a 1-D mesh, or (n/2, 2) from four on; None
+    with fewer than two."""
+    devices = jax.devices()
+    if len(devices) < 2:
+        return None
+    shape, names = ((len(devices) // 2, 2), ("x", "y")) if len(devices) >= 4 and len(devices) % 2 == 0 else \
+        ((len(devices),), ("x",))
+    return Mesh(np.array(devices).reshape(shape), names)
 
 
 def main(argv=None) -> int:
@@ -446,14 +546,28 @@ def main(argv=None) -> int:
     parser.add_argument("--only", type=int, default=None, help="run only case number ONLY (a failure's repro)")
     parser.add_argument("--json", default=None, help="write every case's result here")
     parser.add_argument("--max-flops", type=float, default=MAX_FLOPS, help="largest case's work (a CPU check: 1e9)")
+    parser.add_argument("--strict-sharding", action="store_true",
+                        help="a sharded result laid out otherwise than jnp's fails its case")
+    parser.add_argument("--cpu-devices", type=int, default=None,
+                        help="CPU devices to make (a mesh for the sharded family off a multi-GPU machine)")
     args = parser.parse_args(argv)
     MAX_FLOPS = args.max_flops
+    if args.cpu_devices and jax.default_backend() == "cpu" and len(jax.devices()) < args.cpu_devices:
+        parser.error(f"{len(jax.devices())} CPU devices: --cpu-devices works from the command line only "
+                     "(before jax starts), or set jax_num_cpu_devices first")
     families = [f for f in args.families.split(",") if f]
     unknown = set(families) - set(FAMILIES)
     if unknown:
         parser.error(f"unknown families {sorted(unknown)}")
+    mesh = make_mesh() if "sharded" in families else None
+    if "sharded" in families and mesh is None:
+        if args.families != parser.get_default("families"):
+            parser.error("the sharded family needs two or more devices")
+        families.remove("sharded")
+        print("one device: no sharded cases", flush=True)
     weights = np.array([WEIGHTS[f] for f in families], float)
-    print(f"devices: {jax.devices()}; kernel available: {jax_hopper.kernel_available()}", flush=True)
+    print(f"devices: {jax.devices()}; kernel available: {jax_hopper.kernel_available()}; "
+          f"mesh: {None if mesh is None else dict(mesh.shape)}", flush=True)
     results, failures, start = [], 0, time.time()
     for i in range(args.cases):
         if args.only is None and time.time() - start > args.seconds:
@@ -465,19 +579,26 @@ def main(argv=None) -> int:
         family = families[int(rng.choice(len(families), p=weights / weights.sum()))]
         t0 = time.time()
         try:
-            what, ok, detail = FAMILIES[family](Case(rng))
+            what, ok, detail = FAMILIES[family](Case(rng, mesh if family == "sharded" else None))
         except Exception as e:  # a refused or crashing case is a finding too
             what, ok, detail = f"{family} (raised)", False, "".join(traceback.format_exception_only(e)).strip()
+        differs = "SHARDING differs" in detail
+        if differs and args.strict_sharding:
+            ok = False
         results.append({"case": i, "family": family, "what": what, "ok": bool(ok), "detail": detail,
-                        "seconds": round(time.time() - t0, 3)})
-        print(f"[{i}] {'ok  ' if ok else 'FAIL'} {what}: {detail}", flush=True)
+                        "sharding_differs": differs, "seconds": round(time.time() - t0, 3)})
+        tag = "FAIL" if not ok else "shrd" if differs else "ok  "
+        print(f"[{i}] {tag} {what}: {detail}", flush=True)
         failures += not ok
         if args.only is not None:
             break
     counts = {f: sum(r["family"] == f for r in results) for f in families}
     repro = f"--seed {args.seed} --families {','.join(families)}"
     repro += f" --max-flops {args.max_flops:g}" if args.max_flops != MAX_FLOPS_DEFAULT else ""
-    print(f"{len(results)} cases ({counts}) in {time.time() - start:.0f} s, {failures} failed; "
+    repro += f" --cpu-devices {args.cpu_devices}" if args.cpu_devices else ""
+    differs = sum(r["sharding_differs"] for r in results)
+    print(f"{len(results)} cases ({counts}) in {time.time() - start:.0f} s, {failures} failed"
+          f"{f', {differs} sharded otherwise than jnp' if differs else ''}; "
           f"reproduce one with {repro} --only N", flush=True)
     if args.json:
         with open(args.json, "w") as fh:

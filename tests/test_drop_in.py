@@ -314,6 +314,20 @@ def test_matmul_gradients_over_a_broadcast_batch_stay_rounding_level(a_shape, b_
         assert relative_error(g_ours, g_exact) <= 2 * relative_error(g_theirs, g_exact)
 
 
+@pytest.mark.parametrize("a_shape,b_shape", [((16, 24), (8, 24, 32)), ((24,), (8, 24, 32)),
+                                             ((1, 16, 24), (3, 8, 24, 32))])
+def test_a_broadcast_matmul_left_to_xla_lowers_as_jnps(a_shape, b_shape):
+    """matmul(a, b) where b alone has batch dims, on the XLA path: jnp.matmul's own
+    program (b's batch dims beside N), not a broadcast copy of a into a batched dot."""
+    a, b = jax.ShapeDtypeStruct(a_shape, jnp.float16), jax.ShapeDtypeStruct(b_shape, jnp.float16)
+
+    def matmul(x, y):
+        with jax_hopper.dispatch("xla"):
+            return jax_hopper.matmul(x, y)
+
+    assert cuda_text(matmul, a, b) == cuda_text(jnp.matmul, a, b)
+
+
 def test_mixed_operands_with_a_narrower_result_type_round_like_jnp():
     """bf16 x against f32 (master) weights with a bf16 result: lax converts both operands
     to bf16 before the product; converting both to f32 (their promoted type) multiplied

@@ -1294,3 +1294,26 @@ def test_explicit_folds_that_jax_refuses_are_jaxs(a_shape, a_spec, b_shape, b_sp
     assert ours.sharding.spec == theirs.sharding.spec and ours.shape == theirs.shape
     assert relative_error(ours, theirs.astype(jnp.float32)) < 1e-2
     assert [g.shape for g in grads] == [a.shape, b.shape]
+
+
+@pytest.mark.parametrize("policy", ["xla", "auto"])
+def test_a_broadcast_matmul_left_to_xla_is_jnps_program(policy):
+    """matmul(a [M, K], b [B, K, N]) that the dispatcher leaves to XLA is jnp.matmul's own
+    program: with K sharded on b alone jnp's gathers K; the broadcast form (a copied to
+    [B, M, K], a batched dot) was partitioned into 16-bit partial products summed by an
+    all-reduce, twice jnp's error in bf16 (found by scripts/fuzz_gpu.py)."""
+    mm = mesh()
+    ka, kb = jax.random.split(jax.random.key(202))
+    a = _random(ka, (M, 2 * K), jnp.bfloat16)
+    b = jax.device_put(_random(kb, (2, 2 * K, N), jnp.bfloat16), NamedSharding(mm, P(None, "x", None)))
+
+    def ours_fn(x, y):
+        with jax_hopper.dispatch(policy):
+            return jax_hopper.matmul(x, y)
+
+    ours, ref = jax.jit(ours_fn)(a, b), jax.jit(jnp.matmul)(a, b)
+    np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+    assert ours.sharding.is_equivalent_to(ref.sharding, ours.ndim), (ours.sharding, ref.sharding)
+    text = jax.jit(ours_fn).lower(a, b).compile().as_text()
+    ref_text = jax.jit(jnp.matmul).lower(a, b).compile().as_text()
+    assert _collectives(text) == _collectives(ref_text)
