@@ -68,7 +68,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   done
 fi
 if [ -n "${FUZZ_SECONDS:-}" ]; then
-  # Its own budget plus a margin for the case running when it ends (a hang names its case).
+  # Its own budget plus a margin for the case running when it ends (a hang: the case
+  # after the log's last, reproducible with --only).
   XLA_FLAGS="${TEST_XLA_FLAGS:-${XLA_FLAGS:-}}" timeout $((FUZZ_SECONDS + 120)) python3 "$REPO/scripts/fuzz_gpu.py" --seconds "$FUZZ_SECONDS" \
     --seed "${FUZZ_SEED:-0}" --json "$LOG/fuzz.json" >"$LOG/fuzz.log" 2>&1
   fuzz_rc=$?

@@ -7,7 +7,8 @@ few-thousand dimensions, batches, layouts, dtypes) for:
           output types it is compiled for, output poisoned with NaN first;
   dot     the public dot_general with random dimension numbers (batch, free and contracting
           dims in any order, several of each) under policies "kernel" and "auto";
-  matmul  the public matmul: 1-D operands, leading dims broadcast as jnp.matmul's;
+  matmul  the public matmul (1-D operands, leading dims broadcast as jnp.matmul's) and
+          dot (jnp.dot's N-D semantics);
   vjp     both cotangents of a product under policy "kernel" (the backward products in
           the other layouts), for a fresh 16-bit cotangent;
   dense   jax_hopper.dense with a random activation, bias, residual and leading dims;
@@ -30,8 +31,9 @@ element is off by the data's own scale, hundreds of ulps: far outside either bou
 
     python scripts/fuzz_gpu.py --seconds 300 --seed 0 --json fuzz.json
 
-Prints each case before it runs (a hang names its case) and every failure with what
-reproduces it (family, seed, case); exits 1 if any case failed. Off a Hopper GPU it runs
+Prints each case as it ends and every failure with what reproduces it (seed, families, case
+number: the same script, since a change to a family's draws renumbers its cases); exits 1
+if any case failed. Off a Hopper GPU it runs
 the same cases through the fallback (a check of the harness, not of the kernel).
 """
 
@@ -460,9 +462,12 @@ def fuzz_mlp(c: Case):
 
 
 def fuzz_matmul(c: Case):
-    """jnp.matmul's semantics: 1-D operands, leading dims broadcast against each other."""
+    """jnp.matmul's semantics (1-D operands, leading dims broadcast against each other),
+    or jnp.dot's (b's leading dims are result dims, a's last contracts with b's
+    second-to-last)."""
     dtype = c.choice([F16, BF16])
     policy = c.choice(["kernel", "auto"])
+    op = c.choice(["matmul", "matmul", "dot"])
     while True:
         m, n, k = c.size(), c.size(), c.size()
         batch = [int(c.rng.choice([1, 2, 3])) for _ in range(int(c.rng.integers(0, 3)))]
@@ -470,33 +475,35 @@ def fuzz_matmul(c: Case):
         b_batch = [b if c.rng.random() < 0.7 else 1 for b in batch][int(c.rng.integers(0, len(batch) + 1)):]
         a_shape = (k,) if c.rng.random() < 0.1 else tuple(a_batch) + (m, k)
         b_shape = (k,) if c.rng.random() < 0.1 else tuple(b_batch) + (k, n)
-        out = jax.eval_shape(jnp.matmul, jax.ShapeDtypeStruct(a_shape, dtype), jax.ShapeDtypeStruct(b_shape, dtype))
+        out = jax.eval_shape(getattr(jnp, op), jax.ShapeDtypeStruct(a_shape, dtype),
+                             jax.ShapeDtypeStruct(b_shape, dtype))
         if math.prod(out.shape) <= MAX_OUTPUT and 2.0 * math.prod(out.shape) * k <= MAX_FLOPS:
             break
     a, b = normal(c, a_shape, dtype, k), normal(c, b_shape, dtype, k)
 
     def f(x, y):
         with jax_hopper.dispatch(policy):
-            return jax_hopper.matmul(x, y)
+            return getattr(jax_hopper, op)(x, y)
 
-    what = f"matmul {policy} {dtype.name} a={a_shape} b={b_shape}"
+    what = f"{op} {policy} {dtype.name} a={a_shape} b={b_shape}"
     result = c.run(f, out.shape, out.dtype, a, b)
     if result.shape != out.shape or result.dtype != out.dtype:
         return what, False, f"type {result.shape} {result.dtype}, jnp's {out.shape} {out.dtype}"
     # jnp's own product, its own program: inside the check's program XLA may partition it
     # otherwise (a K-split bf16 product's partial sums rounded or not).
-    jnp_own = jax.jit(jnp.matmul)(a, b)
+    jnp_own = jax.jit(getattr(jnp, op))(a, b)
     c.same_sharding("result", result, jnp_own)
-    excess = float(_matmul_excess(result, a, b, jnp_own))
+    excess = float(_jnp_product_excess(result, a, b, jnp_own, op=op))
     return what, excess <= 0, f"excess {excess:.3e}"
 
 
-@jax.jit
-def _matmul_excess(out, a, b, jnp_own):
-    """As product_excess, with jnp.matmul's own error allowed (a vector product XLA may
-    reduce, a K-split sharded product's partial sums rounded: more than the bound)."""
-    ref = jnp.matmul(f32(a), f32(b), precision="highest")
-    abs_sum = jnp.matmul(jnp.abs(f32(a)), jnp.abs(f32(b)), precision="highest")
+@functools.partial(jax.jit, static_argnames="op")
+def _jnp_product_excess(out, a, b, jnp_own, *, op):
+    """As product_excess for jnp.`op`, with jnp's own error allowed (a vector product XLA
+    may reduce, a K-split sharded product's partial sums rounded: more than the bound)."""
+    fn = functools.partial(getattr(jnp, op), precision="highest")
+    ref = fn(f32(a), f32(b))
+    abs_sum = fn(jnp.abs(f32(a)), jnp.abs(f32(b)))
     bound = jnp.maximum(rounding(out.dtype, ref) + a.shape[-1] * F32_UNIT_ROUNDOFF * abs_sum,
                         jnp.abs(f32(jnp_own) - ref))
     return jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)
@@ -592,6 +599,11 @@ def main(argv=None) -> int:
         failures += not ok
         if args.only is not None:
             break
+        # Every case compiles programs for shapes no later case has: without this the
+        # executables pile up (a CPU run ran out of its 23 GB after 1,243 cases).
+        jax.clear_caches()
+        if args.json and len(results) % JSON_EVERY == 0:  # what a crash or a kill leaves
+            write_json(args, families, failures, results)
     counts = {f: sum(r["family"] == f for r in results) for f in families}
     repro = f"--seed {args.seed} --families {','.join(families)}"
     repro += f" --max-flops {args.max_flops:g}" if args.max_flops != MAX_FLOPS_DEFAULT else ""
@@ -601,9 +613,17 @@ def main(argv=None) -> int:
           f"{f', {differs} sharded otherwise than jnp' if differs else ''}; "
           f"reproduce one with {repro} --only N", flush=True)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"seed": args.seed, "families": families, "failures": failures, "cases": results}, fh, indent=1)
+        write_json(args, families, failures, results)
     return 1 if failures else 0
+
+
+JSON_EVERY = 25  # cases
+
+
+def write_json(args, families, failures, results):
+    with open(args.json + ".tmp", "w") as fh:
+        json.dump({"seed": args.seed, "families": families, "failures": failures, "cases": results}, fh, indent=1)
+    os.replace(args.json + ".tmp", args.json)
 
 
 if __name__ == "__main__":
