@@ -17,7 +17,9 @@ few-thousand dimensions, batches, layouts, dtypes) for:
           forward mode for fresh tangents;
   sharded one of dot, matmul, vjp, dense, mlp with every operand placed on a mesh of all
           devices (Auto axes, a random spec each; two or more devices, e.g. --cpu-devices 8
-          on a CPU): the same bounds, and results sharded as jnp's are.
+          on a CPU): the same bounds; results laid out otherwise than jnp's are reported;
+  explicit dot_general, matmul/dot, dense or mlp's gradients on Explicit mesh axes (random
+          specs): both refuse or neither, the same result types, values within the bounds.
 
 Bounds (why they hold, not tuned): a product rounded once may differ from the f32 reference
 by one ulp of its type (the subnormal spacing near zero) plus the worst-case f32 summation
@@ -67,7 +69,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -394,6 +396,17 @@ def _dense_errors(out, x, w, b, r, jnp_own, *, activation):
     return err, allowed, excess, jnp.isnan(out).any()
 
 
+def mlp_block(ours, *, activation, residual):
+    """jax_hopper.mlp, or the block as a jnp user writes it (residual: x)."""
+    def fn(x, w1, b1, w2, b2):
+        if ours:
+            return jax_hopper.mlp(x, w1, b1, w2, b2, activation=activation, residual=x if residual else None)
+        h = F32_ACT[activation](x @ w1 + (0 if b1 is None else b1))
+        y = h @ w2 + (0 if b2 is None else b2)
+        return y + x if residual else y
+    return fn
+
+
 def fuzz_mlp(c: Case):
     dtype = c.choice([F16, BF16])
     policy = c.choice(["kernel", "kernel", "auto"])
@@ -421,15 +434,7 @@ def fuzz_mlp(c: Case):
     what = f"mlp {mode} {policy} {dtype.name} {activation} x={x.shape} f={f} b1={b1 is not None} " \
            f"b2={b2 is not None} residual={residual} moving={[names[i] for i in moving]}"
 
-    def block(ours):
-        def fn(*p):
-            x, w1, b1, w2, b2 = p
-            if ours:
-                return jax_hopper.mlp(x, w1, b1, w2, b2, activation=activation, residual=x if residual else None)
-            h = F32_ACT[activation](x @ w1 + (0 if b1 is None else b1))
-            y = h @ w2 + (0 if b2 is None else b2)
-            return y + x if residual else y
-        return fn
+    block = functools.partial(mlp_block, activation=activation, residual=residual)
 
     def derivatives(fn, operands, g, ts):
         """(y, each moving operand's cotangent for dy = g) or (y, y's tangent)."""
@@ -461,13 +466,9 @@ def fuzz_mlp(c: Case):
     return what, ok, "err/allowed: " + ", ".join(worst)
 
 
-def fuzz_matmul(c: Case):
-    """jnp.matmul's semantics (1-D operands, leading dims broadcast against each other),
-    or jnp.dot's (b's leading dims are result dims, a's last contracts with b's
-    second-to-last)."""
-    dtype = c.choice([F16, BF16])
-    policy = c.choice(["kernel", "auto"])
-    op = c.choice(["matmul", "matmul", "dot"])
+def matmul_shapes(c: Case, dtype, op):
+    """Operand shapes for jnp.`op` (matmul or dot): vectors, batch dims of either operand,
+    some of them 1; (a shape, b shape, jnp's result type, K)."""
     while True:
         m, n, k = c.size(), c.size(), c.size()
         batch = [int(c.rng.choice([1, 2, 3])) for _ in range(int(c.rng.integers(0, 3)))]
@@ -478,7 +479,17 @@ def fuzz_matmul(c: Case):
         out = jax.eval_shape(getattr(jnp, op), jax.ShapeDtypeStruct(a_shape, dtype),
                              jax.ShapeDtypeStruct(b_shape, dtype))
         if math.prod(out.shape) <= MAX_OUTPUT and 2.0 * math.prod(out.shape) * k <= MAX_FLOPS:
-            break
+            return a_shape, b_shape, out, k
+
+
+def fuzz_matmul(c: Case):
+    """jnp.matmul's semantics (1-D operands, leading dims broadcast against each other),
+    or jnp.dot's (b's leading dims are result dims, a's last contracts with b's
+    second-to-last)."""
+    dtype = c.choice([F16, BF16])
+    policy = c.choice(["kernel", "auto"])
+    op = c.choice(["matmul", "matmul", "dot"])
+    a_shape, b_shape, out, k = matmul_shapes(c, dtype, op)
     a, b = normal(c, a_shape, dtype, k), normal(c, b_shape, dtype, k)
 
     def f(x, y):
@@ -527,12 +538,137 @@ def fuzz_sharded(c: Case):
     return f"sharded {what} specs={c.specs}", ok, detail
 
 
+def use_mesh(mesh):
+    """The mesh context (jax.sharding.use_mesh before jax 0.11's jax.set_mesh)."""
+    return jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh)
+
+
+def local(x):
+    """x gathered onto one device, out of its mesh's types (for the f32 references)."""
+    return None if x is None else jnp.asarray(np.asarray(x))
+
+
+def attempt(fn, *args):
+    try:
+        out = fn(*args)
+        return (jax.block_until_ready(out) if fn is not jax.eval_shape else out), None
+    except Exception as e:  # jax's refusals: type errors, sharding errors, ValueErrors
+        return None, e
+
+
+def first_line(e) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+
+
+def fuzz_explicit(c: Case):
+    """Explicit mesh axes (sharding in types; two or more devices): operands placed with
+    random specs, our op and jnp's under the mesh. Both refuse (a contraction over a sharded
+    dim without out_sharding, say) or neither; where they compute, the same result types
+    (shardings included) and values within the bounds of the other families (checked on
+    gathered copies)."""
+    if c.mesh is None:
+        raise RuntimeError("the explicit family needs a mesh (two or more devices)")
+    op = c.choice(["dot_general", "matmul", "dense", "mlp"])
+    dtype = c.choice([F16, BF16])
+    policy = c.choice(["kernel", "auto"])
+    if op == "dot_general":
+        lhs_shape, rhs_shape, dims = random_dimension_numbers(c, dtype)
+        k = math.prod(lhs_shape[d] for d in dims[0][0])
+        args = (normal(c, lhs_shape, dtype, k), normal(c, rhs_shape, dtype, k))
+        ours = lambda x, y: jax_hopper.dot_general(x, y, dims)  # noqa: E731
+        theirs = lambda x, y: lax.dot_general(x, y, dims)  # noqa: E731
+        what = f"dot_general lhs={lhs_shape} rhs={rhs_shape} dims={dims}"
+
+        def check(got, want, a, b):
+            excess = product_excess(got, a, b, dims, jnp_own=want)
+            return excess <= 0, f"excess {excess:.3e}"
+    elif op == "matmul":
+        name = c.choice(["matmul", "dot"])
+        a_shape, b_shape, _, k = matmul_shapes(c, dtype, name)
+        args = (normal(c, a_shape, dtype, k), normal(c, b_shape, dtype, k))
+        ours, theirs = getattr(jax_hopper, name), getattr(jnp, name)
+        what = f"{name} a={a_shape} b={b_shape}"
+
+        def check(got, want, a, b):
+            excess = float(_jnp_product_excess(got, a, b, want, op=name))
+            return excess <= 0, f"excess {excess:.3e}"
+    elif op == "dense":
+        activation = c.choice(ACTIVATIONS)
+        lead = c.choice([(), (2,)])
+        m, n, k = c.dims(3, MAX_OUTPUT // math.prod(lead), MAX_FLOPS / math.prod(lead))
+        args = (normal(c, lead + (m, k), dtype, k), normal(c, (k, n), dtype, k),
+                normal(c, (n,), dtype) if c.rng.random() < 0.7 else None,
+                normal(c, lead + (m, n), dtype) if c.rng.random() < 0.5 else None)
+        ours = lambda x, w, b, r: jax_hopper.dense(x, w, b, activation=activation, residual=r)  # noqa: E731
+        theirs = functools.partial(jnp_layer, activation=activation)
+        what = f"dense {activation} x={lead + (m, k)} n={n} bias={args[2] is not None} residual={args[3] is not None}"
+
+        def check(got, want, x, w, b, r):
+            err, allowed, excess, nan = (float(v) for v in _dense_errors(got, x, w, b, r, want,
+                                                                         activation=activation))
+            return excess <= 0 and not nan, f"max err {err:.3e}, allowed {allowed:.3e} + per element"
+    else:
+        activation = c.choice(ACTIVATIONS)
+        m, d, f = c.size(1100), c.size(1100), c.size(2100)
+        while m * max(d, f) > MAX_OUTPUT or 12.0 * m * d * f > MAX_FLOPS:
+            m, d, f = c.size(1100), c.size(1100), c.size(2100)
+        residual = c.rng.random() < 0.7
+        args = (normal(c, (m, d), dtype, d), normal(c, (d, f), dtype, d), normal(c, (f,), dtype),
+                normal(c, (f, d), dtype, f), normal(c, (d,), dtype))
+        # The cotangent typed as jnp's y (a vjp refuses any other type), where jnp's block
+        # computes at all.
+        with use_mesh(c.mesh):
+            y_type, _ = attempt(jax.eval_shape, mlp_block(False, activation=activation, residual=residual), *args)
+        g = normal(c, (m, d), dtype)
+        args += (g if y_type is None else jax.device_put(g, NamedSharding(c.mesh, y_type.sharding.spec)),)
+        what = f"mlp reverse {activation} x={(m, d)} f={f} residual={residual}"
+
+        def grads(block):
+            def fn(x, w1, b1, w2, b2, g):
+                y, pullback = jax.vjp(block, x, w1, b1, w2, b2)
+                return (y,) + tuple(pullback(g))
+            return fn
+
+        ours = grads(mlp_block(True, activation=activation, residual=residual))
+        theirs = grads(mlp_block(False, activation=activation, residual=residual))
+
+        def check(got, want, *operands):
+            exact = jax.jit(theirs)(*(f32(v) for v in operands))
+            results = as_accurate_as_jnp(list(got), list(want), list(exact))
+            ok = all(err <= allowed and not nan for err, allowed, nan in results)
+            return ok, "err/allowed: " + ", ".join(f"{e:.2e}/{a:.2e}" for e, a, _ in results)
+
+    def ours_under_policy(*xs):
+        with jax_hopper.dispatch(policy):
+            return ours(*xs)
+
+    what = f"explicit {policy} {dtype.name} {what} specs={c.specs}"
+    with use_mesh(c.mesh):
+        want, jnp_error = attempt(jax.jit(theirs), *args)
+        got, our_error = attempt(jax.jit(ours_under_policy), *args)
+    if jnp_error is not None and our_error is not None:
+        return what, True, f"both refuse; jnp's {first_line(jnp_error)}"
+    if jnp_error is not None:
+        return what, False, f"jnp refuses ({first_line(jnp_error)}), ours computes"
+    if our_error is not None:
+        return what, False, f"ours refuses where jnp computes: {first_line(our_error)}"
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+        g_type, w_type = jax.typeof(g), jax.typeof(w)
+        if (g_type.shape, g_type.dtype) != (w_type.shape, w_type.dtype) or \
+                not g.sharding.is_equivalent_to(w.sharding, g.ndim):
+            return what, False, f"output {i}: {g_type} sharded {g.sharding.spec}, jnp's {w_type} {w.sharding.spec}"
+    ok, detail = check(*jax.tree.map(local, (got, want)), *(local(a) for a in args))
+    return what, ok, detail
+
+
 FAMILIES = {"kind": fuzz_kind, "dot": fuzz_dot, "matmul": fuzz_matmul, "vjp": fuzz_vjp, "dense": fuzz_dense,
-            "mlp": fuzz_mlp, "sharded": fuzz_sharded}
-WEIGHTS = {"kind": 4, "dot": 2, "matmul": 1, "vjp": 1, "dense": 2, "mlp": 2, "sharded": 3}
+            "mlp": fuzz_mlp, "sharded": fuzz_sharded, "explicit": fuzz_explicit}
+WEIGHTS = {"kind": 4, "dot": 2, "matmul": 1, "vjp": 1, "dense": 2, "mlp": 2, "sharded": 3, "explicit": 3}
+MESH_FAMILIES = ("sharded", "explicit")
 
 
-def make_mesh():
+def make_mesh(axis_type=AxisType.Auto):
     """All devices of the default platform as a 1-D mesh, or (n/2, 2) from four on; None
     with fewer than two."""
     devices = jax.devices()
@@ -540,7 +676,7 @@ def make_mesh():
         return None
     shape, names = ((len(devices) // 2, 2), ("x", "y")) if len(devices) >= 4 and len(devices) % 2 == 0 else \
         ((len(devices),), ("x",))
-    return Mesh(np.array(devices).reshape(shape), names)
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape), devices=devices)
 
 
 def main(argv=None) -> int:
@@ -566,13 +702,15 @@ def main(argv=None) -> int:
     unknown = set(families) - set(FAMILIES)
     if unknown:
         parser.error(f"unknown families {sorted(unknown)}")
-    mesh = make_mesh() if "sharded" in families else None
-    if "sharded" in families and mesh is None:
-        if args.families != parser.get_default("families"):
-            parser.error("the sharded family needs two or more devices")
-        families.remove("sharded")
-        print("one device: no sharded cases", flush=True)
+    meshes = {"sharded": make_mesh(AxisType.Auto), "explicit": make_mesh(AxisType.Explicit)}
+    for family in MESH_FAMILIES:
+        if family in families and meshes[family] is None:
+            if args.families != parser.get_default("families"):
+                parser.error(f"the {family} family needs two or more devices")
+            families.remove(family)
+            print(f"one device: no {family} cases", flush=True)
     weights = np.array([WEIGHTS[f] for f in families], float)
+    mesh = meshes["sharded"]
     print(f"devices: {jax.devices()}; kernel available: {jax_hopper.kernel_available()}; "
           f"mesh: {None if mesh is None else dict(mesh.shape)}", flush=True)
     results, failures, start = [], 0, time.time()
@@ -586,7 +724,7 @@ def main(argv=None) -> int:
         family = families[int(rng.choice(len(families), p=weights / weights.sum()))]
         t0 = time.time()
         try:
-            what, ok, detail = FAMILIES[family](Case(rng, mesh if family == "sharded" else None))
+            what, ok, detail = FAMILIES[family](Case(rng, meshes.get(family)))
         except Exception as e:  # a refused or crashing case is a finding too
             what, ok, detail = f"{family} (raised)", False, "".join(traceback.format_exception_only(e)).strip()
         differs = "SHARDING differs" in detail

@@ -26,7 +26,7 @@ def fuzz():
     return module
 
 
-FAMILIES = ["kind", "dot", "matmul", "vjp", "dense", "mlp", "sharded"]
+FAMILIES = ["kind", "dot", "matmul", "vjp", "dense", "mlp", "sharded", "explicit"]
 
 
 def test_the_families_are_these(fuzz):
@@ -35,8 +35,8 @@ def test_the_families_are_these(fuzz):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_runs_clean(fuzz, family, tmp_path):
-    if family == "sharded" and len(jax.devices()) < 2:
-        pytest.skip("the sharded family needs two or more devices of the default platform")
+    if family in ("sharded", "explicit") and len(jax.devices()) < 2:
+        pytest.skip(f"the {family} family needs two or more devices of the default platform")
     out = tmp_path / "fuzz.json"
     assert fuzz.main(SMALL + ["--families", family, "--cases", "5", "--seed", "3", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
