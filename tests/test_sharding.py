@@ -701,6 +701,24 @@ def test_unevenly_sharded_contraction_is_gathered_not_summed_with_padding():
     assert relative_error(dense, dense_ref) < 1e-2
 
 
+@pytest.mark.parametrize("policy", ["auto", "kernel", "xla"])
+def test_explicit_product_whose_plan_jax_cannot_type_is_jaxs(policy):
+    """Typing the plan's reshape of b [261, 332@y, 1, 5] raised an IndexError in jax 0.10
+    (not the ShardingTypeError _explicit_reshape_refused caught), so dot_general raised
+    where lax.dot_general computes (found by scripts/fuzz_gpu.py); now jax computes it."""
+    mm = mesh(AxisType.Explicit)
+    dims = (((0, 3), (0, 3)), ((), ()))
+    with _use(mm):
+        a = jax.device_put(_random(jax.random.key(856), (261, 1, 15, 5), jnp.bfloat16), NamedSharding(mm, P()))
+        b = jax.device_put(_random(jax.random.key(857), (261, 2 * MESH_SHAPE[1] * 83, 1, 5), jnp.bfloat16),
+                           NamedSharding(mm, P(None, "y")))
+        with jax_hopper.dispatch(policy):
+            ours = jax.jit(lambda x, y: jax_hopper.dot_general(x, y, dims))(a, b)
+        ref = jax.jit(lambda x, y: lax.dot_general(x, y, dims))(a, b)
+    assert jax.typeof(ours) == jax.typeof(ref), (jax.typeof(ours), jax.typeof(ref))
+    assert_same_product(ours, ref, a, b, dims)
+
+
 def test_explicit_batch_sharded_on_one_operand_differentiates_like_lax():
     """The other operand's gradient comes out of our kernel batch-sharded like the
     cotangent; jax wants its primal's type (it raised 'Expected cotangent type').
