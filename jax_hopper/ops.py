@@ -428,6 +428,7 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
     if promoted is None:
         return fn(a, b)
     a, b = promoted
+    _check_accumulation("matmul", accumulation, a, b, precision, preferred_element_type)
     kw = dict(precision=precision, preferred_element_type=preferred_element_type, accumulation=accumulation)
     return _matmul_as_dot_general(a, b, functools.partial(dot_general, **kw), jnp_matmul=fn,
                                   path=functools.partial(dispatch_path, **kw))

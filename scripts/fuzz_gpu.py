@@ -23,8 +23,9 @@ few-thousand dimensions, batches, layouts, dtypes) for:
 
 Bounds (why they hold, not tuned): a product rounded once may differ from the f32 reference
 by one ulp of its type (the subnormal spacing near zero) plus the worst-case f32 summation
-error K u sum|a||b| (u = 2^-24; 2^-11 for the f16-accumulating kind), as
-tests/helpers.assert_same_product has it. A
+error K u sum|a||b| (u = 2^-24), as tests/helpers.assert_same_product has it; the
+f16-accumulating kind is held to test_f16_accumulation's model (twice an f16 unit roundoff
+per 16-deep accumulator update, of the exact partial sums). A
 layer or gradient rounds intermediates as jnp's own does, so its largest elementwise error
 may be at most twice jnp's own largest error against the same f32 reference, plus one ulp
 of the largest element (and, for layers, the summation term and the activation's own
@@ -75,12 +76,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from helpers import F32_UNIT_ROUNDOFF, ULP, run_into_poison  # noqa: E402
 from test_dense import ACTIVATIONS, F32_ACT  # noqa: E402
+from test_f16_accumulation import ABS_FLOOR, BOUND_SLACK, F16_UNIT_ROUNDOFF_ANY_ROUNDING, _emulate_steps  # noqa: E402
 
 import jax_hopper  # noqa: E402
 from jax_hopper._primitive import KERNELS, gemm  # noqa: E402
 
 F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
-F16_UNIT_ROUNDOFF = 2.0**-11
 LAYOUTS = [(False, False), (False, True), (True, False), (True, True)]  # (transpose_a, transpose_b)
 JNP_LAYOUT = [(False, False)]
 # What each kind is compiled for (cuda/gemm/instances.def): layouts, operand dtypes.
@@ -204,21 +205,34 @@ def product_excess(out, lhs, rhs, dims, unit_roundoff=F32_UNIT_ROUNDOFF, jnp_own
     return float(_product_excess(out, lhs, rhs, jnp_own, dims=dims, unit_roundoff=unit_roundoff))
 
 
+# The test suite's normwise rule for layers and gradients (test_dense, test_mlp).
+NORMWISE_FACTOR = 1.5
+
+
+def _relative(x, exact):
+    return jnp.linalg.norm((f32(x) - exact).ravel()) / jnp.maximum(jnp.linalg.norm(exact.ravel()), 1e-30)
+
+
 @jax.jit
 def _errors(mine, jnp_own, exact):
     err = [jnp.max(jnp.abs(f32(o) - e), initial=0.0) for o, e in zip(mine, exact)]
     err_jnp = [jnp.max(jnp.abs(f32(j) - e), initial=0.0) for j, e in zip(jnp_own, exact)]
     scale = [jnp.max(jnp.abs(e), initial=0.0) for e in exact]
+    normwise_ok = [_relative(o, e) <= NORMWISE_FACTOR * _relative(j, e) + 1e-6
+                   for o, j, e in zip(mine, jnp_own, exact)]
     nan = [jnp.isnan(o).any() for o in mine]
-    return err, err_jnp, scale, nan
+    return err, err_jnp, scale, normwise_ok, nan
 
 
 def as_accurate_as_jnp(mine, jnp_own, exact):
-    """For each output: (max|mine - exact|, allowed, any NaN), allowed = 2 x jnp's own
-    largest error + one ulp of the largest exact element."""
-    err, err_jnp, scale, nan = jax.device_get(_errors(mine, jnp_own, exact))
-    return [(float(e), 2.0 * float(j) + ULP[jnp.dtype(o.dtype).name] * float(s), bool(n))
-            for e, j, s, n, o in zip(err, err_jnp, scale, nan, mine)]
+    """For each output: (max|mine - exact|, allowed, bad), allowed = 2 x jnp's own largest
+    error + one ulp of the largest exact element; bad: a NaN, or a normwise error past
+    1.5 x jnp's (the suite's rule). Both are relative to jnp's own accuracy: where jnp's
+    block is itself inaccurate (relu after bf16 z rounded twice, whose sign then flips for
+    whole rows), they are only that strict."""
+    err, err_jnp, scale, normwise_ok, nan = jax.device_get(_errors(mine, jnp_own, exact))  # per output
+    return [(float(e), 2.0 * float(j) + ULP[jnp.dtype(o.dtype).name] * float(s), bool(n) or not bool(w))
+            for e, j, s, w, n, o in zip(err, err_jnp, scale, normwise_ok, nan, mine)]
 
 
 # ---- families: each returns (description, ok, detail) -------------------------------------------
@@ -242,9 +256,24 @@ def fuzz_kind(c: Case):
     nb = len(batch)
     bdims = (tuple(range(nb)), tuple(range(nb)))
     dims = (((nb + (0 if ta else 1),), (nb + (1 if tb else 0),)), bdims)
-    unit = F16_UNIT_ROUNDOFF if kind == "persistent_f16acc" else F32_UNIT_ROUNDOFF
-    excess = product_excess(out, a, b, dims, unit)
+    if kind == "persistent_f16acc":
+        excess = float(_f16_accumulated_excess(out, jnp.swapaxes(a, -1, -2) if ta else a,
+                                               jnp.swapaxes(b, -1, -2) if tb else b))
+    else:
+        excess = product_excess(out, a, b, dims)
     return what, excess <= 0, f"excess {excess:.3e}"
+
+
+@jax.jit
+def _f16_accumulated_excess(out, a, b):
+    """The f16-accumulating kind (a [..., M, K], b [..., K, N]) against test_f16_accumulation's
+    bound: twice 2^-10 times the sum over its 16-deep steps of |exact partial sum| (one f16
+    unit roundoff per accumulator update), which tracks the real error, unlike the worst
+    case K 2^-11 sum|a||b| (3.6 at K = 512 on unit-variance results: a zeroed row passed)."""
+    ref = jnp.matmul(f32(a), f32(b), precision="highest")
+    _, total = _emulate_steps(a, b)
+    bound = BOUND_SLACK * F16_UNIT_ROUNDOFF_ANY_ROUNDING * total + ABS_FLOOR
+    return jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)
 
 
 def random_dimension_numbers(c: Case, dtype):
@@ -377,8 +406,8 @@ def fuzz_dense(c: Case):
     out = c.run(f, lead + (m, n), dtype, x, w, b, r)
     jnp_own = jax.jit(jnp_layer, static_argnames="activation")(x, w, b, r, activation=activation)
     c.same_sharding("result", out, jnp_own)
-    err, allowed, excess, nan = (float(v) for v in _dense_errors(out, x, w, b, r, jnp_own, activation=activation))
-    return what, excess <= 0 and not nan, f"max err {err:.3e}, allowed {allowed:.3e} + per element; " \
+    err, allowed, excess, bad = (float(v) for v in _dense_errors(out, x, w, b, r, jnp_own, activation=activation))
+    return what, excess <= 0 and not bad, f"max err {err:.3e}, allowed {allowed:.3e} + per element; " \
         f"excess {excess:.3e}"
 
 
@@ -386,6 +415,7 @@ def fuzz_dense(c: Case):
 def _dense_errors(out, x, w, b, r, jnp_own, *, activation):
     z, ref = layer_reference(x, w, b, r, activation)
     err = jnp.max(jnp.abs(f32(out) - ref), initial=0.0)
+    bad = jnp.isnan(out).any() | (_relative(out, ref) > NORMWISE_FACTOR * _relative(jnp_own, ref) + 1e-6)
     allowed = 2.0 * jnp.max(jnp.abs(f32(jnp_own) - ref), initial=0.0) + \
         ULP[jnp.dtype(out.dtype).name] * jnp.max(jnp.abs(ref), initial=0.0)
     # The f32 sum's own error (K u sum|x||w|, through an activation of slope at most 1.13),
@@ -393,7 +423,7 @@ def _dense_errors(out, x, w, b, r, jnp_own, *, activation):
     abs_sum = jnp.matmul(jnp.abs(f32(x)), jnp.abs(f32(w)), precision="highest")
     per_element = 1.13 * x.shape[-1] * F32_UNIT_ROUNDOFF * abs_sum + rounding(out.dtype, z)
     excess = jnp.max(jnp.abs(f32(out) - ref) - per_element - allowed, initial=0.0)
-    return err, allowed, excess, jnp.isnan(out).any()
+    return err, allowed, excess, bad
 
 
 def mlp_block(ours, *, activation, residual):
@@ -460,9 +490,9 @@ def fuzz_mlp(c: Case):
         if o.shape != e.shape or o.dtype != dtype:
             return what, False, f"{name}: type {o.shape} {o.dtype}"
         c.same_sharding(name, o, j)
-    for name, (err, allowed, nan) in zip(names, as_accurate_as_jnp(mine, jnp_own, exact)):
-        ok &= err <= allowed and not nan
-        worst.append(f"{name} {err:.2e}/{allowed:.2e}{' NaN' if nan else ''}")
+    for name, (err, allowed, bad) in zip(names, as_accurate_as_jnp(mine, jnp_own, exact)):
+        ok &= err <= allowed and not bad
+        worst.append(f"{name} {err:.2e}/{allowed:.2e}{' (NaN or normwise)' if bad else ''}")
     return what, ok, "err/allowed: " + ", ".join(worst)
 
 
@@ -604,9 +634,9 @@ def fuzz_explicit(c: Case):
         what = f"dense {activation} x={lead + (m, k)} n={n} bias={args[2] is not None} residual={args[3] is not None}"
 
         def check(got, want, x, w, b, r):
-            err, allowed, excess, nan = (float(v) for v in _dense_errors(got, x, w, b, r, want,
+            err, allowed, excess, bad = (float(v) for v in _dense_errors(got, x, w, b, r, want,
                                                                          activation=activation))
-            return excess <= 0 and not nan, f"max err {err:.3e}, allowed {allowed:.3e} + per element"
+            return excess <= 0 and not bad, f"max err {err:.3e}, allowed {allowed:.3e} + per element"
     else:
         activation = c.choice(ACTIVATIONS)
         m, d, f = c.size(1100), c.size(1100), c.size(2100)
@@ -620,7 +650,10 @@ def fuzz_explicit(c: Case):
         with use_mesh(c.mesh):
             y_type, _ = attempt(jax.eval_shape, mlp_block(False, activation=activation, residual=residual), *args)
         g = normal(c, (m, d), dtype)
-        args += (g if y_type is None else jax.device_put(g, NamedSharding(c.mesh, y_type.sharding.spec)),)
+        if y_type is not None:
+            g = jax.device_put(g, NamedSharding(c.mesh, y_type.sharding.spec))
+            c.specs[-1] = tuple(y_type.sharding.spec)
+        args += (g,)
         what = f"mlp reverse {activation} x={(m, d)} f={f} residual={residual}"
 
         def grads(block):
@@ -635,7 +668,7 @@ def fuzz_explicit(c: Case):
         def check(got, want, *operands):
             exact = jax.jit(theirs)(*(f32(v) for v in operands))
             results = as_accurate_as_jnp(list(got), list(want), list(exact))
-            ok = all(err <= allowed and not nan for err, allowed, nan in results)
+            ok = all(err <= allowed and not bad for err, allowed, bad in results)
             return ok, "err/allowed: " + ", ".join(f"{e:.2e}/{a:.2e}" for e, a, _ in results)
 
     def ours_under_policy(*xs):

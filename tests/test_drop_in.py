@@ -328,6 +328,23 @@ def test_a_broadcast_matmul_left_to_xla_lowers_as_jnps(a_shape, b_shape):
     assert cuda_text(matmul, a, b) == cuda_text(jnp.matmul, a, b)
 
 
+@pytest.mark.parametrize("policy,out_dtype", [("kernel", None), ("auto", jnp.float32)])
+def test_a_broadcast_matmul_on_our_primitive_keeps_its_batched_launch(policy, out_dtype):
+    """The other side of the test above: where the batched product runs our kernel (policy
+    "kernel"), or an f32 result of f16 operands takes our derivative rule, the broadcast
+    form (one batched launch) stays."""
+    if not jax_hopper.kernel_available():
+        pytest.skip("without the built kernel every product lowers to XLA's dot")
+    a, b = jax.ShapeDtypeStruct((16, 24), jnp.float16), jax.ShapeDtypeStruct((8, 24, 32), jnp.float16)
+
+    def matmul(x, y):
+        with jax_hopper.dispatch(policy):
+            return jax_hopper.matmul(x, y, preferred_element_type=out_dtype)
+
+    text = cuda_text(matmul, a, b)
+    assert "broadcast_in_dim" in text and "8x16x24" in text, text
+
+
 def test_mixed_operands_with_a_narrower_result_type_round_like_jnp():
     """bf16 x against f32 (master) weights with a bf16 result: lax converts both operands
     to bf16 before the product; converting both to f32 (their promoted type) multiplied
