@@ -62,3 +62,34 @@ def test_a_wrong_element_fails_its_case(fuzz, family, ops, monkeypatch, tmp_path
     assert fuzz.main(SMALL + ["--families", family, "--cases", "4", "--json", str(out)]) == 1
     cases = json.loads(out.read_text())["cases"]
     assert len(cases) == 4 and not any(c["ok"] for c in cases), [c["detail"] for c in cases]
+
+
+def test_a_wrong_cotangent_fails_the_vjp_family(fuzz, monkeypatch, tmp_path):
+    """The derivative checks too: the product's first cotangent off by 5% of its largest
+    element in one place (a custom_vjp around dot_general) fails every vjp case."""
+    plain = jax_hopper.dot_general
+
+    def wrong_backward(x, y, dims, **kwargs):
+        def product(x, y):
+            return plain(x, y, dims, **kwargs)
+
+        @jax.custom_vjp
+        def f(x, y):
+            return product(x, y)
+
+        def fwd(x, y):
+            return jax.vjp(product, x, y)
+
+        def bwd(pullback, g):
+            dx, dy = pullback(g)
+            bump = 0.05 * jnp.maximum(jnp.max(jnp.abs(dx)), 1.0)
+            return dx.at[(0,) * dx.ndim].add(bump.astype(dx.dtype)), dy
+
+        f.defvjp(fwd, bwd)
+        return f(x, y)
+
+    monkeypatch.setattr(jax_hopper, "dot_general", wrong_backward)
+    out = tmp_path / "fuzz.json"
+    assert fuzz.main(SMALL + ["--families", "vjp", "--cases", "4", "--json", str(out)]) == 1
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 4 and not any(c["ok"] for c in cases), [c["detail"] for c in cases]
