@@ -420,7 +420,7 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
     fn = functools.partial(jnp.matmul, precision=precision, preferred_element_type=preferred_element_type)
     if out_sharding is not None:
         return fn(a, b, out_sharding=out_sharding)
-    _check("matmul", fn, a, b)  # jax's errors first (a scalar operand: its ValueError)
+    out = _check("matmul", fn, a, b)  # jax's errors first (a scalar operand: its ValueError)
     if not (_is_array(a) and _is_array(b)):
         raise TypeError(f"jax_hopper.matmul: operands must be jax or numpy arrays, got "
                         f"{type(a).__name__} and {type(b).__name__}")
@@ -430,7 +430,10 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
     a, b = promoted
     _check_accumulation("matmul", accumulation, a, b, precision, preferred_element_type)
     kw = dict(precision=precision, preferred_element_type=preferred_element_type, accumulation=accumulation)
-    return _matmul_as_dot_general(a, b, functools.partial(dot_general, **kw), jnp_matmul=fn,
+    # An f32 result of f16 operands takes our derivative rule on the XLA path too
+    # (dot_general: _rounds_f32_cotangent): no jnp program for it.
+    f32_of_f16 = out.dtype == F32 and a.dtype == F16
+    return _matmul_as_dot_general(a, b, functools.partial(dot_general, **kw), jnp_matmul=None if f32_of_f16 else fn,
                                   path=functools.partial(dispatch_path, **kw))
 
 
@@ -472,8 +475,7 @@ def _matmul_broadcast(a, b, dot_general_fn, jnp_matmul=None, path=None):
     for it), the broadcast buys nothing and `jnp_matmul` computes jnp's own program: no
     copy of `a`, partitioned as jnp's (a K sharded on b alone: the broadcast form's
     program summed 16-bit partial products where jnp's gathers K; found by
-    scripts/fuzz_gpu.py). Not for an f32 result of f16 operands, whose derivative takes
-    our rule on the XLA path too (dot_general: _rounds_f32_cotangent)."""
+    scripts/fuzz_gpu.py). Without `jnp_matmul`, always the broadcast form."""
     a_vec, b_vec = a.ndim == 1, b.ndim == 1
     a2 = a[None, :] if a_vec else a
     b2 = b[:, None] if b_vec else b
@@ -482,8 +484,7 @@ def _matmul_broadcast(a, b, dot_general_fn, jnp_matmul=None, path=None):
     dims = (((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb))))
     if jnp_matmul is not None:
         batched = [jax.ShapeDtypeStruct(batch + x.shape[-2:], x.dtype) for x in (a2, b2)]
-        out_dtype = jax.eval_shape(jnp_matmul, a, b).dtype
-        if path(*batched, dims)[0] != "kernel" and not (out_dtype == F32 and a.dtype == F16):
+        if path(*batched, dims)[0] != "kernel":
             return jnp_matmul(a, b)
 
     specs = tuple(sa if sa is not None else sb for sa, sb in zip(_batch_specs(a2, nb), _batch_specs(b2, nb)))
