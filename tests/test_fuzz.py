@@ -4,6 +4,7 @@ it reports a wrong element rather than passing over it."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import pathlib
@@ -11,6 +12,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import pytest
+from jax import lax
 
 import jax_hopper
 
@@ -93,3 +95,80 @@ def test_a_wrong_cotangent_fails_the_vjp_family(fuzz, monkeypatch, tmp_path):
     assert fuzz.main(SMALL + ["--families", "vjp", "--cases", "4", "--json", str(out)]) == 1
     cases = json.loads(out.read_text())["cases"]
     assert len(cases) == 4 and not any(c["ok"] for c in cases), [c["detail"] for c in cases]
+
+
+def _wrong(op, *, value, derivative):
+    """`op` with its result's first element off by 5% of the result's scale (value) and/or
+    its derivative wrong (derivative): the tangent's first element times 11, which is linear
+    in the tangent, so reverse mode transposes it into a wrong cotangent of every operand
+    (each one's gradient sums a term of y's first element). Array arguments, positional or
+    keyword, are the differentiable ones; the rest (dims, activation, None) stay closed over."""
+    def wrong(*args, **kwargs):
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        is_array = [isinstance(v, jax.Array) for v in leaves]
+
+        def call(*arrays):
+            it = iter(arrays)
+            a, k = jax.tree.unflatten(tree, [next(it) if arr else v for v, arr in zip(leaves, is_array)])
+            return op(*a, **k)
+
+        # Arithmetic with a 0/1 mask of the first element (not a scatter or a select of
+        # differently sharded operands), so that it types under explicit mesh axes too.
+        def first(x):
+            return functools.reduce(jnp.logical_and, [lax.broadcasted_iota(jnp.int32, x.shape, d) == 0
+                                                      for d in range(x.ndim)], jnp.bool_(True)).astype(x.dtype)
+
+        def bump(out):
+            if not value or not out.size:
+                return out
+            scale = 0.05 * jnp.maximum(jnp.max(jnp.abs(out)), 1.0)
+            return out + scale.astype(out.dtype) * first(out)
+
+        def first_times_eleven(t):
+            return t + 10 * t * first(t) if derivative else t
+
+        @jax.custom_jvp
+        def f(*arrays):
+            return bump(call(*arrays))
+
+        @f.defjvp
+        def f_jvp(primals, tangents):
+            y, t = jax.jvp(call, primals, tangents)
+            return bump(y), first_times_eleven(t)
+
+        return f(*[v for v, arr in zip(leaves, is_array) if arr])
+    return wrong
+
+
+def test_a_wrong_mlp_derivative_fails_every_mlp_case(fuzz, monkeypatch, tmp_path):
+    """mlp's value right, its derivatives wrong (reverse and forward mode, every subset of
+    moving operands the cases draw): every case fails."""
+    monkeypatch.setattr(jax_hopper, "mlp", _wrong(jax_hopper.mlp, value=False, derivative=True))
+    out = tmp_path / "fuzz.json"
+    assert fuzz.main(SMALL + ["--families", "mlp", "--cases", "6", "--seed", "5", "--json", str(out)]) == 1
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 6 and not any(c["ok"] for c in cases), [c["detail"] for c in cases]
+    assert {"reverse", "forward"} <= {c["what"].split()[1] for c in cases}, [c["what"] for c in cases]
+    assert all(c["detail"].startswith("err/allowed") for c in cases), [c["detail"] for c in cases]  # by the values
+
+
+PUBLIC_OPS = ["dot_general", "matmul", "dot", "dense", "mlp"]
+
+
+@pytest.mark.parametrize("family", ["sharded", "explicit"])
+def test_a_wrong_op_fails_the_mesh_families(fuzz, family, monkeypatch, tmp_path):
+    """On a mesh, every public op with a wrong element and a wrong derivative: every case
+    fails, but an explicit-axes case where jax's own op refuses too (no values to check)."""
+    if len(jax.devices()) < 2:
+        pytest.skip(f"the {family} family needs two or more devices of the default platform")
+    for op in PUBLIC_OPS:
+        monkeypatch.setattr(jax_hopper, op, _wrong(getattr(jax_hopper, op), value=True, derivative=True))
+    out = tmp_path / "fuzz.json"
+    assert fuzz.main(SMALL + ["--families", family, "--cases", "8", "--seed", "3", "--json", str(out)]) == 1
+    cases = json.loads(out.read_text())["cases"]
+    checked = [c for c in cases if not c["detail"].startswith("both refuse")]
+    assert len(cases) == 8 and len(checked) >= 4 and not any(c["ok"] for c in checked), \
+        [(c["what"], c["detail"]) for c in checked]
+    # Failed by the values, not by the mutation itself refusing or raising.
+    assert not any("refuses" in c["detail"] or "(raised)" in c["what"] for c in checked), \
+        [(c["what"], c["detail"]) for c in checked]
