@@ -15,6 +15,9 @@ few-thousand dimensions, batches, layouts, dtypes) for:
   mlp     jax_hopper.mlp's value and its derivatives in all or some operands: reverse mode
           for a fresh cotangent (the backward and derivative forms under "kernel"), or
           forward mode for fresh tangents;
+  transforms dot_general, dense or mlp under one or two levels of vmap (random in_axes,
+          some operands unmapped, random out_axes) or lax.scan, jax.checkpoint or not, and
+          reverse mode on top or not: the batching, scan and derivative rules;
   sharded one of dot, matmul, vjp, dense, mlp with every operand placed on a mesh of all
           devices (Auto axes, a random spec each; two or more devices, e.g. --cpu-devices 8
           on a CPU): the same bounds; results laid out otherwise than jnp's are reported;
@@ -552,6 +555,140 @@ def _jnp_product_excess(out, a, b, jnp_own, *, op):
     return jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)
 
 
+def fuzz_transforms(c: Case):
+    """dot_general, dense or mlp under a random stack of transforms, one or two levels of
+    vmap (each operand mapped at a random axis or not at all, the result at a random axis)
+    or lax.scan (mapping axis 0), around jax.checkpoint or not, and with reverse mode on top
+    or not: our batching, scan and derivative rules against the same stack over jax's own
+    op (jnp's accuracy bounds ours, as for layers) and, for a plain product, the product
+    bound itself."""
+    op = c.choice(["dot_general", "dot_general", "dense", "mlp"])
+    dtype = c.choice([F16, BF16])
+    policy = c.choice(["kernel", "auto"])
+    levels = [(c.choice(["vmap", "vmap", "scan"]), int(c.rng.integers(1, 4))) for _ in range(int(c.rng.integers(1, 3)))]
+    batch = math.prod(size for _, size in levels)
+    remat, reverse = c.rng.random() < 0.3, c.rng.random() < 0.3
+    if op == "dot_general":
+        while True:
+            shapes = random_dimension_numbers(c, dtype)
+            out = jax.eval_shape(lambda x, y: lax.dot_general(x, y, shapes[2]),
+                                 *(jax.ShapeDtypeStruct(s, dtype) for s in shapes[:2]))
+            k = math.prod(shapes[0][d] for d in shapes[2][0][0])
+            if batch * out.size <= MAX_OUTPUT and 2.0 * batch * out.size * k <= MAX_FLOPS / (3 if reverse else 1):
+                break
+        lhs_shape, rhs_shape, dims = shapes
+        base = [lhs_shape, rhs_shape]
+        scales = [k, k]
+        what = f"dot_general lhs={lhs_shape} rhs={rhs_shape} dims={dims}"
+
+        def block(ours, precision=None):
+            return lambda x, y: (jax_hopper.dot_general(x, y, dims) if ours else
+                                 lax.dot_general(x, y, dims, precision=precision))
+    else:
+        activation = c.choice(ACTIVATIONS)
+        while True:
+            m, n, k = c.size(1100), c.size(1100), c.size(2100)
+            work = 2.0 * m * n * k * (2 if op == "mlp" else 1) * (3 if reverse else 1)
+            if batch * m * max(n, k) <= MAX_OUTPUT and batch * work <= MAX_FLOPS:
+                break
+        if op == "dense":
+            bias, residual = c.rng.random() < 0.7, c.rng.random() < 0.5
+            base = [(m, k), (k, n)] + [(n,)] * bias + [(m, n)] * residual
+            scales = [k, k] + [1] * (bias + residual)
+            what = f"dense {activation} x={(m, k)} n={n} bias={bias} residual={residual}"
+
+            def block(ours, precision=None):
+                def fn(x, w, *rest):
+                    b = rest[0] if bias else None
+                    r = rest[-1] if residual else None
+                    if ours:
+                        return jax_hopper.dense(x, w, b, activation=activation, residual=r)
+                    return jnp_layer(x, w, b, r, activation=activation)
+                return fn
+        else:  # mlp: x [m, k], w1 [k, n], b1, w2 [n, k], b2, residual x or none
+            residual = c.rng.random() < 0.7
+            base, scales = [(m, k), (k, n), (n,), (n, k), (k,)], [k, k, 1, n, 1]
+            what = f"mlp {activation} x={(m, k)} f={n} residual={residual}"
+
+            def block(ours, precision=None):
+                return mlp_block(ours, activation=activation, residual=residual)
+    # Each level maps some operands (at least one) at a random axis, inner level first, and
+    # puts its result's mapped axis at a random place (scan: axis 0 both).
+    shapes, stack, inner_shapes = [list(s) for s in base], [], []
+    for kind, size in levels:
+        inner_shapes.append([tuple(s) for s in shapes])
+        mapped = c.rng.random(len(shapes)) < 0.7
+        mapped[int(c.rng.integers(len(shapes)))] = True
+        axes = [None if not on else 0 if kind == "scan" else int(c.rng.integers(len(s) + 1))
+                for on, s in zip(mapped, shapes)]
+        for s, ax in zip(shapes, axes):
+            if ax is not None:
+                s.insert(ax, size)
+        stack.append((kind, tuple(axes), int(c.rng.integers(0, 8))))
+    args = [normal(c, tuple(s), dtype, scale) for s, scale in zip(shapes, scales)]
+
+    def stacked(fn):
+        fn = jax.checkpoint(fn) if remat else fn
+        for (kind, axes, out_axis), inner in zip(stack, inner_shapes):
+            if kind == "scan":
+                fn = _scanned(fn, axes)
+                continue
+            out_ndim = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(s, dtype) for s in inner)).ndim
+            fn = jax.vmap(fn, in_axes=axes, out_axes=out_axis % (out_ndim + 1))
+        return fn
+
+    g = None
+    if reverse:
+        y_type = jax.eval_shape(stacked(block(False)), *args)
+        g = normal(c, y_type.shape, dtype)
+
+    def run(fn, args, g):
+        with jax_hopper.dispatch(policy):
+            if g is None:
+                return (fn(*args),)
+            y, pullback = jax.vjp(fn, *args)
+            return (y,) + tuple(pullback(g))
+
+    levels_desc = [(kind, size, axes, out) for (kind, size), (_, axes, out) in zip(levels, stack)]
+    desc = f"transforms {policy} {dtype.name} {what} levels={levels_desc} remat={remat} reverse={reverse}"
+    mine = jax.jit(lambda a, g: run(stacked(block(True)), a, g))(args, g)
+    jnp_own = jax.jit(lambda a, g: run(stacked(block(False)), a, g))(args, g)
+    with jax.default_matmul_precision("highest"):
+        exact = jax.jit(lambda a, g: run(stacked(block(False, "highest")), a, g))(
+            [f32(a) for a in args], None if g is None else f32(g))
+    for i, (o, j) in enumerate(zip(mine, jnp_own)):
+        if o.shape != j.shape or o.dtype != j.dtype:
+            return desc, False, f"output {i}: type {o.shape} {o.dtype}, jnp's {j.shape} {j.dtype}"
+    results = as_accurate_as_jnp(mine, jnp_own, exact)
+    ok = all(err <= allowed and not bad for err, allowed, bad in results)
+    detail = "err/allowed: " + ", ".join(f"{e:.2e}/{a:.2e}{' (NaN or normwise)' if b else ''}" for e, a, b in results)
+    if op == "dot_general" and not reverse:  # the product bound too, element by element
+        with jax.default_matmul_precision("highest"):
+            abs_sum = jax.jit(stacked(block(False, "highest")))(*(jnp.abs(f32(a)) for a in args))
+        excess = float(_stacked_product_excess(mine[0], exact[0], abs_sum, jnp_own[0], k=k))
+        ok &= excess <= 0
+        detail += f"; excess {excess:.3e}"
+    return desc, ok, detail
+
+
+def _scanned(fn, axes):
+    """fn mapped over axis 0 of the operands whose axis is 0 by lax.scan (the rest closed over)."""
+    def scanned(*args):
+        xs = [a for a, ax in zip(args, axes) if ax is not None]
+
+        def body(carry, slices):
+            it = iter(slices)
+            return carry, fn(*(next(it) if ax is not None else a for a, ax in zip(args, axes)))
+        return lax.scan(body, None, xs)[1]
+    return scanned
+
+
+@functools.partial(jax.jit, static_argnames="k")
+def _stacked_product_excess(out, ref, abs_sum, jnp_own, *, k):
+    bound = jnp.maximum(rounding(out.dtype, ref) + k * F32_UNIT_ROUNDOFF * abs_sum, jnp.abs(f32(jnp_own) - ref))
+    return jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)
+
+
 # The ops a sharded case runs (the kind family's named kinds are for one device's product).
 SHARDED_FAMILIES = ("dot", "matmul", "vjp", "dense", "mlp")
 
@@ -698,8 +835,9 @@ def fuzz_explicit(c: Case):
 
 
 FAMILIES = {"kind": fuzz_kind, "dot": fuzz_dot, "matmul": fuzz_matmul, "vjp": fuzz_vjp, "dense": fuzz_dense,
-            "mlp": fuzz_mlp, "sharded": fuzz_sharded, "explicit": fuzz_explicit}
-WEIGHTS = {"kind": 4, "dot": 2, "matmul": 1, "vjp": 1, "dense": 2, "mlp": 2, "sharded": 3, "explicit": 3}
+            "mlp": fuzz_mlp, "transforms": fuzz_transforms, "sharded": fuzz_sharded, "explicit": fuzz_explicit}
+WEIGHTS = {"kind": 4, "dot": 2, "matmul": 1, "vjp": 1, "dense": 2, "mlp": 2, "transforms": 2, "sharded": 3,
+           "explicit": 3}
 MESH_FAMILIES = ("sharded", "explicit")
 
 

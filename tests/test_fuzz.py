@@ -28,7 +28,7 @@ def fuzz():
     return module
 
 
-FAMILIES = ["kind", "dot", "matmul", "vjp", "dense", "mlp", "sharded", "explicit"]
+FAMILIES = ["kind", "dot", "matmul", "vjp", "dense", "mlp", "transforms", "sharded", "explicit"]
 
 
 def test_the_families_are_these(fuzz):
@@ -46,7 +46,8 @@ def test_each_family_runs_clean(fuzz, family, tmp_path):
 
 
 @pytest.mark.parametrize("family,ops", [("kind", ["gemm"]), ("dot", ["dot_general"]), ("matmul", ["matmul", "dot"]),
-                                        ("dense", ["dense"]), ("mlp", ["mlp"])])
+                                        ("dense", ["dense"]), ("mlp", ["mlp"]),
+                                        ("transforms", ["dot_general", "dense", "mlp"])])
 def test_a_wrong_element_fails_its_case(fuzz, family, ops, monkeypatch, tmp_path):
     """One element of every result off by 5% of the result's largest (a wrong tile, row or
     stale element is off by the whole scale): every case fails."""
@@ -172,3 +173,16 @@ def test_a_wrong_op_fails_the_mesh_families(fuzz, family, monkeypatch, tmp_path)
     # Failed by the values, not by the mutation itself refusing or raising.
     assert not any("refuses" in c["detail"] or "(raised)" in c["what"] for c in checked), \
         [(c["what"], c["detail"]) for c in checked]
+
+
+def test_a_wrong_derivative_fails_the_transformed_reverse_cases(fuzz, monkeypatch, tmp_path):
+    """Under vmap and scan: with every op's derivative wrong (values right), the transforms
+    family's reverse-mode cases fail and the others pass."""
+    for op in ("dot_general", "dense", "mlp"):
+        monkeypatch.setattr(jax_hopper, op, _wrong(getattr(jax_hopper, op), value=False, derivative=True))
+    out = tmp_path / "fuzz.json"
+    fuzz.main(SMALL + ["--families", "transforms", "--cases", "12", "--seed", "4", "--json", str(out)])
+    cases = json.loads(out.read_text())["cases"]
+    reverse = [c for c in cases if "reverse=True" in c["what"]]
+    assert len(cases) == 12 and len(reverse) >= 2, [c["what"] for c in cases]
+    assert all(c["ok"] != (c in reverse) for c in cases), [(c["what"], c["detail"]) for c in cases]
