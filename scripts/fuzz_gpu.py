@@ -16,8 +16,9 @@ few-thousand dimensions, batches, layouts, dtypes) for:
           for a fresh cotangent (the backward and derivative forms under "kernel"), or
           forward mode for fresh tangents;
   transforms dot_general, dense or mlp under one or two levels of vmap (random in_axes,
-          some operands unmapped, random out_axes) or lax.scan, jax.checkpoint or not, and
-          reverse mode on top or not: the batching, scan and derivative rules;
+          some operands unmapped, random out_axes) or lax.scan, jax.checkpoint or not: its
+          value, reverse, forward or forward-over-reverse derivatives (batching, scan and
+          derivative rules);
   sharded one of dot, matmul, vjp, dense, mlp with every operand placed on a mesh of all
           devices (Auto axes, a random spec each; two or more devices, e.g. --cpu-devices 8
           on a CPU): the same bounds; results laid out otherwise than jnp's are reported;
@@ -558,23 +559,26 @@ def _jnp_product_excess(out, a, b, jnp_own, *, op):
 def fuzz_transforms(c: Case):
     """dot_general, dense or mlp under a random stack of transforms, one or two levels of
     vmap (each operand mapped at a random axis or not at all, the result at a random axis)
-    or lax.scan (mapping axis 0), around jax.checkpoint or not, and with reverse mode on top
-    or not: our batching, scan and derivative rules against the same stack over jax's own
-    op (jnp's accuracy bounds ours, as for layers) and, for a plain product, the product
-    bound itself."""
+    or lax.scan (mapping axis 0), around jax.checkpoint or not; its value, or with reverse
+    mode, forward mode or forward-over-reverse (a Hessian-vector product) on top: our
+    batching, scan and derivative rules against the same stack over jax's own op (jnp's
+    accuracy bounds ours, as for layers) and, for a plain product's value, the product bound
+    itself."""
     op = c.choice(["dot_general", "dot_general", "dense", "mlp"])
     dtype = c.choice([F16, BF16])
     policy = c.choice(["kernel", "auto"])
     levels = [(c.choice(["vmap", "vmap", "scan"]), int(c.rng.integers(1, 4))) for _ in range(int(c.rng.integers(1, 3)))]
     batch = math.prod(size for _, size in levels)
-    remat, reverse = c.rng.random() < 0.3, c.rng.random() < 0.3
+    remat = c.rng.random() < 0.3
+    mode = str(c.rng.choice(["value", "reverse", "forward", "second"], p=[0.4, 0.25, 0.2, 0.15]))
+    cost = {"value": 1, "reverse": 3, "forward": 2, "second": 6}[mode]
     if op == "dot_general":
         while True:
             shapes = random_dimension_numbers(c, dtype)
             out = jax.eval_shape(lambda x, y: lax.dot_general(x, y, shapes[2]),
                                  *(jax.ShapeDtypeStruct(s, dtype) for s in shapes[:2]))
             k = math.prod(shapes[0][d] for d in shapes[2][0][0])
-            if batch * out.size <= MAX_OUTPUT and 2.0 * batch * out.size * k <= MAX_FLOPS / (3 if reverse else 1):
+            if batch * out.size <= MAX_OUTPUT and 2.0 * batch * out.size * k <= MAX_FLOPS / cost:
                 break
         lhs_shape, rhs_shape, dims = shapes
         base = [lhs_shape, rhs_shape]
@@ -588,7 +592,7 @@ def fuzz_transforms(c: Case):
         activation = c.choice(ACTIVATIONS)
         while True:
             m, n, k = c.size(1100), c.size(1100), c.size(2100)
-            work = 2.0 * m * n * k * (2 if op == "mlp" else 1) * (3 if reverse else 1)
+            work = 2.0 * m * n * k * (2 if op == "mlp" else 1) * cost
             if batch * m * max(n, k) <= MAX_OUTPUT and batch * work <= MAX_FLOPS:
                 break
         if op == "dense":
@@ -637,32 +641,41 @@ def fuzz_transforms(c: Case):
             fn = jax.vmap(fn, in_axes=axes, out_axes=out_axis % (out_ndim + 1))
         return fn
 
-    g = None
-    if reverse:
-        y_type = jax.eval_shape(stacked(block(False)), *args)
-        g = normal(c, y_type.shape, dtype)
+    # A cotangent typed as the result (reverse, second) and tangents typed as the operands
+    # (forward, second), drawn after the operands.
+    g, ts = None, None
+    if mode in ("reverse", "second"):
+        g = normal(c, jax.eval_shape(stacked(block(False)), *args).shape, dtype)
+    if mode in ("forward", "second"):
+        ts = [normal(c, a.shape, dtype) for a in args]
 
-    def run(fn, args, g):
+    def run(fn, args, g, ts):
+        """(value,), (value, cotangents...), (value, its tangent) or (cotangents..., their tangents...)."""
         with jax_hopper.dispatch(policy):
-            if g is None:
+            if mode == "value":
                 return (fn(*args),)
-            y, pullback = jax.vjp(fn, *args)
-            return (y,) + tuple(pullback(g))
+            if mode == "forward":
+                return jax.jvp(fn, tuple(args), tuple(ts))
+            pullback = lambda *a: jax.vjp(fn, *a)[1](g)  # noqa: E731
+            if mode == "reverse":
+                return (fn(*args),) + tuple(pullback(*args))
+            cotangents, their_tangents = jax.jvp(pullback, tuple(args), tuple(ts))
+            return tuple(cotangents) + tuple(their_tangents)
 
     levels_desc = [(kind, size, axes, out) for (kind, size), (_, axes, out) in zip(levels, stack)]
-    desc = f"transforms {policy} {dtype.name} {what} levels={levels_desc} remat={remat} reverse={reverse}"
-    mine = jax.jit(lambda a, g: run(stacked(block(True)), a, g))(args, g)
-    jnp_own = jax.jit(lambda a, g: run(stacked(block(False)), a, g))(args, g)
+    desc = f"transforms {policy} {dtype.name} {what} levels={levels_desc} remat={remat} mode={mode}"
+    mine = jax.jit(lambda a, g, ts: run(stacked(block(True)), a, g, ts))(args, g, ts)
+    jnp_own = jax.jit(lambda a, g, ts: run(stacked(block(False)), a, g, ts))(args, g, ts)
     with jax.default_matmul_precision("highest"):
-        exact = jax.jit(lambda a, g: run(stacked(block(False, "highest")), a, g))(
-            [f32(a) for a in args], None if g is None else f32(g))
+        exact = jax.jit(lambda a, g, ts: run(stacked(block(False, "highest")), a, g, ts))(
+            [f32(a) for a in args], None if g is None else f32(g), None if ts is None else [f32(t) for t in ts])
     for i, (o, j) in enumerate(zip(mine, jnp_own)):
         if o.shape != j.shape or o.dtype != j.dtype:
             return desc, False, f"output {i}: type {o.shape} {o.dtype}, jnp's {j.shape} {j.dtype}"
     results = as_accurate_as_jnp(mine, jnp_own, exact)
     ok = all(err <= allowed and not bad for err, allowed, bad in results)
     detail = "err/allowed: " + ", ".join(f"{e:.2e}/{a:.2e}{' (NaN or normwise)' if b else ''}" for e, a, b in results)
-    if op == "dot_general" and not reverse:  # the product bound too, element by element
+    if op == "dot_general" and mode == "value":  # the product bound too, element by element
         with jax.default_matmul_precision("highest"):
             abs_sum = jax.jit(stacked(block(False, "highest")))(*(jnp.abs(f32(a)) for a in args))
         excess = float(_stacked_product_excess(mine[0], exact[0], abs_sum, jnp_own[0], k=k))

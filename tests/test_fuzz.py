@@ -175,14 +175,16 @@ def test_a_wrong_op_fails_the_mesh_families(fuzz, family, monkeypatch, tmp_path)
         [(c["what"], c["detail"]) for c in checked]
 
 
-def test_a_wrong_derivative_fails_the_transformed_reverse_cases(fuzz, monkeypatch, tmp_path):
+def test_a_wrong_derivative_fails_the_transformed_derivative_cases(fuzz, monkeypatch, tmp_path):
     """Under vmap and scan: with every op's derivative wrong (values right), the transforms
-    family's reverse-mode cases fail and the others pass."""
+    family's derivative cases (reverse, forward, forward-over-reverse) fail and the value
+    cases pass."""
     for op in ("dot_general", "dense", "mlp"):
         monkeypatch.setattr(jax_hopper, op, _wrong(getattr(jax_hopper, op), value=False, derivative=True))
     out = tmp_path / "fuzz.json"
-    fuzz.main(SMALL + ["--families", "transforms", "--cases", "12", "--seed", "4", "--json", str(out)])
+    fuzz.main(SMALL + ["--families", "transforms", "--cases", "14", "--seed", "4", "--json", str(out)])
     cases = json.loads(out.read_text())["cases"]
-    reverse = [c for c in cases if "reverse=True" in c["what"]]
-    assert len(cases) == 12 and len(reverse) >= 2, [c["what"] for c in cases]
-    assert all(c["ok"] != (c in reverse) for c in cases), [(c["what"], c["detail"]) for c in cases]
+    derivative = [c for c in cases if "mode=value" not in c["what"]]
+    modes = {c["what"].rsplit("mode=", 1)[1] for c in derivative}
+    assert len(cases) == 14 and modes == {"reverse", "forward", "second"}, [c["what"] for c in cases]
+    assert all(c["ok"] != (c in derivative) for c in cases), [(c["what"], c["detail"]) for c in cases]
