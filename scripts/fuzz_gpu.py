@@ -33,7 +33,8 @@ per 16-deep accumulator update, of the exact partial sums). A layer or gradient 
 intermediates as jnp's own does, so its largest elementwise error may be at most twice
 jnp's own largest error against the same f32 reference, plus one ulp of the largest element
 (and, for layers, the summation term and the activation's own approximation, at most an ulp
-of |z|), and its normwise error at most 1.5x jnp's (the suite's rule). A wrong tile, row or
+of |z|), and its normwise error at most 1.5x jnp's plus ULP / sqrt(size) (the suite's
+rule, with room for one element an ulp from jnp's on tiny results). A wrong tile, row or
 column, a stale or unwritten element is off by the data's own scale, far outside the
 product bounds; the layer and gradient rules are relative to jnp's accuracy, so they are
 weaker where jnp's block is itself inaccurate (relu after a bf16 z rounded twice).
@@ -211,8 +212,16 @@ def product_excess(out, lhs, rhs, dims, unit_roundoff=F32_UNIT_ROUNDOFF, jnp_own
     return float(_product_excess(out, lhs, rhs, jnp_own, dims=dims, unit_roundoff=unit_roundoff))
 
 
-# The test suite's normwise rule for layers and gradients (test_dense, test_mlp).
+# The test suite's normwise rule for layers and gradients (test_dense, test_mlp): at most
+# 1.5x jnp's normwise error, plus room for one element an ulp from jnp's at the data's rms
+# size, ULP / sqrt(n): nothing on large results, but on a result of a few elements the
+# normwise error is one element's, and one rounding the other way is not a wrong answer
+# (a bf16 bias gradient of one element came out one ulp from jnp's, which was nearest).
 NORMWISE_FACTOR = 1.5
+
+
+def normwise_allowed(jnp_own_error, out):
+    return NORMWISE_FACTOR * jnp_own_error + ULP[jnp.dtype(out.dtype).name] / math.sqrt(max(out.size, 1))
 
 
 def _relative(x, exact):
@@ -224,7 +233,7 @@ def _errors(mine, jnp_own, exact):
     err = [jnp.max(jnp.abs(f32(o) - e), initial=0.0) for o, e in zip(mine, exact)]
     err_jnp = [jnp.max(jnp.abs(f32(j) - e), initial=0.0) for j, e in zip(jnp_own, exact)]
     scale = [jnp.max(jnp.abs(e), initial=0.0) for e in exact]
-    normwise_ok = [_relative(o, e) <= NORMWISE_FACTOR * _relative(j, e) + 1e-6
+    normwise_ok = [_relative(o, e) <= normwise_allowed(_relative(j, e), o)
                    for o, j, e in zip(mine, jnp_own, exact)]
     nan = [jnp.isnan(o).any() for o in mine]
     return err, err_jnp, scale, normwise_ok, nan
@@ -233,9 +242,9 @@ def _errors(mine, jnp_own, exact):
 def as_accurate_as_jnp(mine, jnp_own, exact):
     """For each output: (max|mine - exact|, allowed, bad), allowed = 2 x jnp's own largest
     error + one ulp of the largest exact element; bad: a NaN, or a normwise error past
-    1.5 x jnp's (the suite's rule). Both are relative to jnp's own accuracy: where jnp's
-    block is itself inaccurate (relu after bf16 z rounded twice, whose sign then flips for
-    whole rows), they are only that strict."""
+    normwise_allowed (1.5 x jnp's, the suite's rule, + ULP / sqrt(size)). Both are relative
+    to jnp's own accuracy: where jnp's block is itself inaccurate (relu after bf16 z rounded
+    twice, whose sign then flips for whole rows), they are only that strict."""
     err, err_jnp, scale, normwise_ok, nan = jax.device_get(_errors(mine, jnp_own, exact))  # per output
     return [(float(e), 2.0 * float(j) + ULP[jnp.dtype(o.dtype).name] * float(s), bool(n) or not bool(w))
             for e, j, s, w, n, o in zip(err, err_jnp, scale, normwise_ok, nan, mine)]
@@ -421,7 +430,7 @@ def fuzz_dense(c: Case):
 def _dense_errors(out, x, w, b, r, jnp_own, *, activation):
     z, ref = layer_reference(x, w, b, r, activation)
     err = jnp.max(jnp.abs(f32(out) - ref), initial=0.0)
-    bad = jnp.isnan(out).any() | (_relative(out, ref) > NORMWISE_FACTOR * _relative(jnp_own, ref) + 1e-6)
+    bad = jnp.isnan(out).any() | (_relative(out, ref) > normwise_allowed(_relative(jnp_own, ref), out))
     allowed = 2.0 * jnp.max(jnp.abs(f32(jnp_own) - ref), initial=0.0) + \
         ULP[jnp.dtype(out.dtype).name] * jnp.max(jnp.abs(ref), initial=0.0)
     # The f32 sum's own error (K u sum|x||w|, through an activation of slope at most 1.13),
