@@ -19,9 +19,9 @@ few-thousand dimensions, batches, layouts, dtypes) for:
           some operands unmapped, random out_axes) or lax.scan, jax.checkpoint or not: its
           value, reverse, forward or forward-over-reverse derivatives (batching, scan and
           derivative rules);
-  sharded one of dot, matmul, vjp, dense, mlp with every operand placed on a mesh of all
-          devices (Auto axes, a random spec each; two or more devices, e.g. --cpu-devices 8
-          on a CPU): the same bounds; results laid out otherwise than jnp's are reported;
+  sharded one of dot, matmul, vjp, dense, mlp, transforms with every operand placed on a
+          mesh of all devices (Auto axes, a random spec each; two or more devices, e.g.
+          --cpu-devices 8 on a CPU): the same bounds; results laid out otherwise than jnp's are reported;
   explicit dot_general, matmul/dot, dense or mlp's gradients on Explicit mesh axes (random
           specs): both refuse or neither, the same result types, values within the bounds.
 
@@ -681,6 +681,7 @@ def fuzz_transforms(c: Case):
     for i, (o, j) in enumerate(zip(mine, jnp_own)):
         if o.shape != j.shape or o.dtype != j.dtype:
             return desc, False, f"output {i}: type {o.shape} {o.dtype}, jnp's {j.shape} {j.dtype}"
+        c.same_sharding(f"output {i}", o, j)
     results = as_accurate_as_jnp(mine, jnp_own, exact)
     ok = all(err <= allowed and not bad for err, allowed, bad in results)
     detail = "err/allowed: " + ", ".join(f"{e:.2e}/{a:.2e}{' (NaN or normwise)' if b else ''}" for e, a, b in results)
@@ -712,7 +713,7 @@ def _stacked_product_excess(out, ref, abs_sum, jnp_own, *, k):
 
 
 # The ops a sharded case runs (the kind family's named kinds are for one device's product).
-SHARDED_FAMILIES = ("dot", "matmul", "vjp", "dense", "mlp")
+SHARDED_FAMILIES = ("dot", "matmul", "vjp", "dense", "mlp", "transforms")
 
 
 def fuzz_sharded(c: Case):
