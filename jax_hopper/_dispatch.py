@@ -19,25 +19,27 @@ The policy picks how the table is used:
   "xla"     never our kernel.
 ``jax_hopper.set_dispatch(policy)`` sets it for the process (the environment variable
 ``JAX_HOPPER_DISPATCH`` gives the starting value); ``with jax_hopper.dispatch(policy):``
-overrides it for a scope (per thread / context). It is read while jax traces: a
-function that ``jax.jit`` has already traced keeps the path it was traced with.
+overrides it for a scope (per thread). It is read while jax traces, and it is a jax
+configuration option (``jax_hopper_dispatch``) in jax's trace context and jit key, as
+``jax_default_matmul_precision`` is: a function that ``jax.jit`` (or
+``jax.checkpoint``, or a derivative) traced under one policy is traced again under
+another, rather than keeping the paths of the first trace from jax's caches.
 Derivatives: each product of a derivative is dispatched when the derivative is
 traced, under the policy then in effect (so wrap ``jax.grad``, not only the forward,
-in ``dispatch("kernel")`` to force every product). jax caches the derivative of a
-jitted function with its trace, so differentiating one jitted function again under
-another policy can reuse the first derivative's paths.
+in ``dispatch("kernel")`` to force every product).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import math
 import os
 from collections.abc import Callable
 
+import jax
 import numpy as np
+from jax._src import config as jax_config
 
 from jax_hopper import _ffi
 from jax_hopper._primitive import (
@@ -60,29 +62,37 @@ def _checked(policy: str) -> str:
     return policy
 
 
-_process_policy = _checked(os.environ.get(_ENV, "auto"))
-_scoped_policy: contextvars.ContextVar[str | None] = contextvars.ContextVar("jax_hopper_dispatch", default=None)
+# A jax configuration option, not a Python variable: jax keys its trace caches (jit's,
+# jax.checkpoint's, the derivatives') on the options in its trace context, so a trace
+# made under one policy is never reused under another (with a plain context variable,
+# jax.checkpoint replayed an "auto" trace inside dispatch("kernel"): found by the fuzz's
+# transforms family). jax defines options through a private module only; both supported
+# jax versions have this signature. It reads JAX_HOPPER_DISPATCH itself (checked first,
+# for our error message).
+_checked(os.environ.get(_ENV, "auto"))
+_policy = jax_config.config_states.get(_ENV.lower())  # defined once a process (a reload finds it)
+if _policy is None:
+    _policy = jax_config.enum_state(
+        _ENV.lower(), list(POLICIES), default="auto",
+        help="jax_hopper's dispatch policy: auto (the measured rules), kernel (ours wherever it applies), xla (never)",
+        include_in_jit_key=True, include_in_trace_context=True)
 
 
 def current_policy() -> str:
-    scoped = _scoped_policy.get()
-    return _process_policy if scoped is None else scoped
+    return _policy.value
 
 
 def set_dispatch(policy: str) -> None:
-    """Sets the dispatch policy ("auto", "kernel" or "xla") for the whole process."""
-    global _process_policy
-    _process_policy = _checked(policy)
+    """Sets the dispatch policy ("auto", "kernel" or "xla") for the whole process (as
+    ``jax.config.update("jax_hopper_dispatch", policy)`` does)."""
+    jax.config.update(_ENV.lower(), _checked(policy))
 
 
 @contextlib.contextmanager
 def dispatch(policy: str):
     """``with jax_hopper.dispatch("kernel"): ...`` -- the policy for this scope only."""
-    token = _scoped_policy.set(_checked(policy))
-    try:
+    with _policy(_checked(policy)):
         yield
-    finally:
-        _scoped_policy.reset(token)
 
 
 # The kernel's largest batch, M, N or K: its tile coordinates are int32 (cuda/gemm/gemm.cc

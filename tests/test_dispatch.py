@@ -535,3 +535,36 @@ def test_the_rules_send_no_recorded_loss_to_our_kernel():
                 checked.append((path.name, row["variant"], row["batch"], row["m"], row["n"], row["k"], row["dtype"]))
                 assert row["kernel_ratio_vs_jnp"] >= 1.0, checked[-1]
     assert len(checked) >= 50, checked  # the recorded wins are still taken (36 at 0c3f06c, 57 since 18:24)
+
+
+def test_a_trace_made_under_one_policy_is_not_reused_under_another(monkeypatch):
+    """The policy is in jax's trace context: jit's cache, jax.checkpoint's and a jitted
+    function's derivative are traced again under another policy. (With a context variable,
+    jax.checkpoint replayed an "auto" trace -- XLA's dot -- inside dispatch("kernel").)"""
+    from jax_hopper import _primitive
+    binds = []
+    bind = _primitive.gemm_p.bind
+    monkeypatch.setattr(_primitive.gemm_p, "bind", lambda *a, **k: binds.append(1) or bind(*a, **k))
+    a = jnp.ones((3, 64, 64), jnp.float16)
+    b = jnp.ones((64, 64), jnp.float16)
+
+    def ours_under(policy, fn, *args):
+        binds.clear()
+        with jax_hopper.dispatch(policy):
+            jax.block_until_ready(fn(*args))
+        return len(binds)
+
+    product = jax.jit(jax_hopper.matmul)
+    assert ours_under("xla", product, a, b) == 0 and ours_under("kernel", product, a, b) > 0
+
+    remat = jax.checkpoint(lambda x, y: jax_hopper.dot_general(x, y, NN))
+    jax.eval_shape(remat, b, b)  # traced under the process policy first
+    assert ours_under("kernel", jax.jit(jax.vmap(remat, in_axes=(0, None))), a, b) > 0
+
+    loss = jax.jit(lambda x, y: jnp.sum(jax_hopper.matmul(x, y).astype(jnp.float32)))
+    grad = jax.grad(loss, argnums=(0, 1))
+    assert ours_under("xla", grad, a, b) == 0
+    assert ours_under("kernel", grad, a, b) >= 3  # the forward product and both backward ones
+
+    assert ours_under("xla", product, a, b) == 0  # and back
+    jax.config.update("jax_hopper_dispatch", _dispatch.current_policy())  # the option is jax's

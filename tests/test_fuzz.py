@@ -98,12 +98,14 @@ def test_a_wrong_cotangent_fails_the_vjp_family(fuzz, monkeypatch, tmp_path):
     assert len(cases) == 4 and not any(c["ok"] for c in cases), [c["detail"] for c in cases]
 
 
-def _wrong(op, *, value, derivative):
+def _wrong(op, *, value, derivative, second_order=False):
     """`op` with its result's first element off by 5% of the result's scale (value) and/or
     its derivative wrong (derivative): the tangent's first element times 11, which is linear
     in the tangent, so reverse mode transposes it into a wrong cotangent of every operand
-    (each one's gradient sums a term of y's first element). Array arguments, positional or
-    keyword, are the differentiable ones; the rest (dims, activation, None) stay closed over."""
+    (each one's gradient sums a term of y's first element); or (second_order) a tangent
+    dy (1 + 10 (y - stop_gradient(y))), right at first order, wrong once differentiated
+    again. Array arguments, positional or keyword, are the differentiable ones; the rest
+    (dims, activation, None) stay closed over."""
     def wrong(*args, **kwargs):
         leaves, tree = jax.tree.flatten((args, kwargs))
         is_array = [isinstance(v, jax.Array) for v in leaves]
@@ -122,10 +124,12 @@ def _wrong(op, *, value, derivative):
         def bump(out):
             if not value or not out.size:
                 return out
-            scale = 0.05 * jnp.maximum(jnp.max(jnp.abs(out)), 1.0)
+            scale = lax.stop_gradient(0.05 * jnp.maximum(jnp.max(jnp.abs(out)), 1.0))
             return out + scale.astype(out.dtype) * first(out)
 
-        def first_times_eleven(t):
+        def wrong_tangent(y, t):
+            if second_order:
+                return t * (1 + 10 * (y - lax.stop_gradient(y)))
             return t + 10 * t * first(t) if derivative else t
 
         @jax.custom_jvp
@@ -135,7 +139,7 @@ def _wrong(op, *, value, derivative):
         @f.defjvp
         def f_jvp(primals, tangents):
             y, t = jax.jvp(call, primals, tangents)
-            return bump(y), first_times_eleven(t)
+            return bump(y), wrong_tangent(y, t)
 
         return f(*[v for v, arr in zip(leaves, is_array) if arr])
     return wrong
@@ -188,3 +192,18 @@ def test_a_wrong_derivative_fails_the_transformed_derivative_cases(fuzz, monkeyp
     modes = {c["what"].rsplit("mode=", 1)[1] for c in derivative}
     assert len(cases) == 14 and modes == {"reverse", "forward", "second"}, [c["what"] for c in cases]
     assert all(c["ok"] != (c in derivative) for c in cases), [(c["what"], c["detail"]) for c in cases]
+
+
+def test_a_wrong_second_derivative_fails_the_forward_over_reverse_cases(fuzz, monkeypatch, tmp_path):
+    """Every op right at first order and wrong at second: the transforms family's
+    forward-over-reverse cases fail (their tangents of the cotangents are checked), the
+    others pass."""
+    for op in ("dot_general", "dense", "mlp"):
+        monkeypatch.setattr(jax_hopper, op, _wrong(getattr(jax_hopper, op), value=False, derivative=False,
+                                                   second_order=True))
+    out = tmp_path / "fuzz.json"
+    fuzz.main(SMALL + ["--families", "transforms", "--cases", "14", "--seed", "4", "--json", str(out)])
+    cases = json.loads(out.read_text())["cases"]
+    second = [c for c in cases if c["what"].endswith("mode=second")]
+    assert len(cases) == 14 and len(second) >= 2, [c["what"] for c in cases]
+    assert all(c["ok"] != (c in second) for c in cases), [(c["what"], c["detail"]) for c in cases]
