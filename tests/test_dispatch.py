@@ -3,6 +3,7 @@ that the lowering follows it (the rest of the suite forces the kernel path)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -457,8 +458,8 @@ def test_vmap_under_auto_asks_the_rules_again_for_the_batched_shape():
 
 def test_vmap_asks_again_only_what_the_rules_picked():
     """The mark travels with the traced product, not with the policy when vmap runs: a
-    function jitted under policy "kernel" keeps our kernel when vmapped later under
-    "auto", and a kind asked for by name is kept; nested vmaps ask again at each level;
+    product traced under policy "kernel" (a jaxpr kept from then) keeps our kernel when
+    vmapped later under "auto", and a kind asked for by name is kept; nested vmaps ask again at each level;
     the f16-accumulating kind, picked under "auto" for one product, is asked again too."""
     from jax.extend.core import jaxpr_as_fun
 
@@ -467,7 +468,7 @@ def test_vmap_asks_again_only_what_the_rules_picked():
     xs = jax.ShapeDtypeStruct((2, 100, 8191), jnp.float16)
     ws = jax.ShapeDtypeStruct((2, 8191, 2048), jnp.float16)
     product = lambda x, w: jax_hopper.matmul(x, w)  # noqa: E731
-    with jax_hopper.dispatch("kernel"):  # traced under "kernel" (as jit's cache would keep it)
+    with jax_hopper.dispatch("kernel"):  # traced under "kernel", kept as a jaxpr (jit would trace again)
         traced = jaxpr_as_fun(jax.make_jaxpr(product)(*[jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in (xs, ws)]))
     with jax_hopper.dispatch("auto"):
         assert _kernel_kinds(jax.vmap(traced), xs, ws) == [KERNELS["persistent"]]
@@ -550,7 +551,7 @@ def test_a_trace_made_under_one_policy_is_not_reused_under_another(monkeypatch):
 
     def ours_under(policy, fn, *args):
         binds.clear()
-        with jax_hopper.dispatch(policy):
+        with jax_hopper.dispatch(policy) if policy else contextlib.nullcontext():
             jax.block_until_ready(fn(*args))
         return len(binds)
 
@@ -558,7 +559,8 @@ def test_a_trace_made_under_one_policy_is_not_reused_under_another(monkeypatch):
     assert ours_under("xla", product, a, b) == 0 and ours_under("kernel", product, a, b) > 0
 
     remat = jax.checkpoint(lambda x, y: jax_hopper.dot_general(x, y, NN))
-    jax.eval_shape(remat, b, b)  # traced under the process policy first
+    with jax_hopper.dispatch("xla"):
+        jax.eval_shape(remat, b, b)  # traced under "xla" first
     assert ours_under("kernel", jax.jit(jax.vmap(remat, in_axes=(0, None))), a, b) > 0
 
     loss = jax.jit(lambda x, y: jnp.sum(jax_hopper.matmul(x, y).astype(jnp.float32)))
@@ -567,4 +569,10 @@ def test_a_trace_made_under_one_policy_is_not_reused_under_another(monkeypatch):
     assert ours_under("kernel", grad, a, b) >= 3  # the forward product and both backward ones
 
     assert ours_under("xla", product, a, b) == 0  # and back
-    jax.config.update("jax_hopper_dispatch", _dispatch.current_policy())  # the option is jax's
+
+    before = _dispatch.current_policy()  # the option is jax's: jax.config.update sets it too
+    try:
+        jax.config.update("jax_hopper_dispatch", "xla")
+        assert _dispatch.current_policy() == "xla" and ours_under(None, product, a, b) == 0
+    finally:
+        jax_hopper.set_dispatch(before)
