@@ -65,10 +65,10 @@ def _checked(policy: str) -> str:
 # A jax configuration option, not a Python variable: jax keys its trace caches (jit's,
 # jax.checkpoint's, the derivatives') on the options in its trace context, so a trace
 # made under one policy is never reused under another (with a plain context variable,
-# jax.checkpoint replayed an "auto" trace inside dispatch("kernel"): found by the fuzz's
-# transforms family). jax defines options through a private module only; both supported
-# jax versions have this signature. It reads JAX_HOPPER_DISPATCH itself (checked first,
-# for our error message).
+# jax.checkpoint replayed an "auto" trace inside dispatch("kernel"), and jit a trace made
+# under another policy: found in a review of the fuzz's transforms family). jax defines
+# options through a private module only; both supported jax versions have this signature.
+# It reads JAX_HOPPER_DISPATCH itself (checked first, for our error message).
 _checked(os.environ.get(_ENV, "auto"))
 _policy = jax_config.config_states.get(_ENV.lower())  # defined once a process (a reload finds it)
 if _policy is None:
