@@ -462,13 +462,22 @@ def choose_activation_grad(problem: Problem, activation: str | None, policy: str
 # forces the form for the activations it names on either path (XLA's pass computing both
 # otherwise), for the benchmark and tests. ReLU: its derivative kind never runs under auto.
 SAVED_DERIVATIVE_ACTIVATIONS: frozenset = frozenset({"gelu_exact", "gelu_tanh", "silu"})
-_saved_derivative_override: list = []
+# The override is a jax configuration option in jax's trace context and jit key too (as
+# the policy is): a function traced under one override is traced again under another.
+_SAVED_DERIVATIVE_OPTION = "jax_hopper_saved_derivative"
+_saved_derivative_override = jax_config.config_states.get(_SAVED_DERIVATIVE_OPTION)
+if _saved_derivative_override is None:
+    _saved_derivative_override = jax_config.string_or_object_state(
+        _SAVED_DERIVATIVE_OPTION, default=None,
+        help="jax_hopper's saved-derivative override (benchmark and tests): None, or the activations that save act'",
+        include_in_jit_key=True, include_in_trace_context=True)
 
 
 def may_save_derivative(activation: str | None) -> bool:
     """Whether saves_derivative can be true for this activation (so whether asking the
     dispatcher about the derivative kind is worth it)."""
-    chosen = _saved_derivative_override[-1] if _saved_derivative_override else SAVED_DERIVATIVE_ACTIVATIONS
+    chosen = _saved_derivative_override.value
+    chosen = SAVED_DERIVATIVE_ACTIVATIONS if chosen is None else chosen
     return activation is not None and activation in chosen
 
 
@@ -478,8 +487,8 @@ def saves_derivative(activation: str | None, derivative_kind_runs: bool) -> bool
     `derivative_kind_runs`: whether choose_dense_with_derivative picked the kernel."""
     if activation is None:
         return False
-    if _saved_derivative_override:
-        return activation in _saved_derivative_override[-1]
+    if _saved_derivative_override.value is not None:
+        return activation in _saved_derivative_override.value
     return activation in SAVED_DERIVATIVE_ACTIVATIONS and derivative_kind_runs
 
 
@@ -487,11 +496,8 @@ def saves_derivative(activation: str | None, derivative_kind_runs: bool) -> bool
 def saved_derivative(activations):
     """Scoped override of the saved-derivative choice (read while jax traces): exactly the
     named activations save act'(z1), on either path. For the benchmark and tests."""
-    _saved_derivative_override.append(frozenset(activations))
-    try:
+    with _saved_derivative_override(frozenset(activations)):
         yield
-    finally:
-        _saved_derivative_override.pop()
 
 
 # The derivative kind writes act'(z), and the backward form reads z (or the saved act')

@@ -576,3 +576,16 @@ def test_a_trace_made_under_one_policy_is_not_reused_under_another(monkeypatch):
         assert _dispatch.current_policy() == "xla" and ours_under(None, product, a, b) == 0
     finally:
         jax_hopper.set_dispatch(before)
+
+
+def test_the_saved_derivative_override_is_in_the_trace_key():
+    """The benchmark's and tests' saved-derivative scope is read while jax traces and is in
+    jax's jit key: a jitted function is traced once per override, then reused."""
+    seen = []
+    f = jax.jit(lambda x: (seen.append(_dispatch.may_save_derivative("relu")), x)[1])
+    f(1.0)
+    with _dispatch.saved_derivative({"relu"}):
+        f(1.0)
+        f(1.0)
+    f(1.0)
+    assert seen == [False, True]
