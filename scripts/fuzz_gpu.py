@@ -190,6 +190,15 @@ def rounding(dtype, x):
     return ULP[jnp.dtype(dtype).name] * jnp.abs(x) + float(jnp.finfo(dtype).smallest_subnormal)
 
 
+def _excess(out, ref, abs_sum, k, jnp_own=None, unit_roundoff=F32_UNIT_ROUNDOFF):
+    """The product bound's excess (traced inside each check's program): one ulp of the
+    result type plus K u sum|a||b|, or jnp's own error where that is larger."""
+    bound = rounding(out.dtype, ref) + k * unit_roundoff * abs_sum
+    if jnp_own is not None:
+        bound = jnp.maximum(bound, jnp.abs(f32(jnp_own) - ref))
+    return jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)  # NaN if any element is
+
+
 # Each check is one jitted program per case (eager ops would compile one program each,
 # per new shape: most of a case's time).
 @functools.partial(jax.jit, static_argnames=("dims", "unit_roundoff"))
@@ -197,10 +206,7 @@ def _product_excess(out, lhs, rhs, jnp_own, *, dims, unit_roundoff):
     ref = lax.dot_general(f32(lhs), f32(rhs), dims, precision=lax.Precision.HIGHEST)
     abs_sum = lax.dot_general(jnp.abs(f32(lhs)), jnp.abs(f32(rhs)), dims, precision=lax.Precision.HIGHEST)
     k = math.prod(lhs.shape[d] for d in dims[0][0])
-    bound = rounding(out.dtype, ref) + k * unit_roundoff * abs_sum
-    if jnp_own is not None:
-        bound = jnp.maximum(bound, jnp.abs(f32(jnp_own) - ref))
-    return jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)  # NaN if any element is
+    return _excess(out, ref, abs_sum, k, jnp_own, unit_roundoff)
 
 
 def product_excess(out, lhs, rhs, dims, unit_roundoff=F32_UNIT_ROUNDOFF, jnp_own=None):
@@ -558,11 +564,7 @@ def _jnp_product_excess(out, a, b, jnp_own, *, op):
     """As product_excess for jnp.`op`, with jnp's own error allowed (a vector product XLA
     may reduce, a K-split sharded product's partial sums rounded: more than the bound)."""
     fn = functools.partial(getattr(jnp, op), precision="highest")
-    ref = fn(f32(a), f32(b))
-    abs_sum = fn(jnp.abs(f32(a)), jnp.abs(f32(b)))
-    bound = jnp.maximum(rounding(out.dtype, ref) + a.shape[-1] * F32_UNIT_ROUNDOFF * abs_sum,
-                        jnp.abs(f32(jnp_own) - ref))
-    return jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)
+    return _excess(out, fn(f32(a), f32(b)), fn(jnp.abs(f32(a)), jnp.abs(f32(b))), a.shape[-1], jnp_own)
 
 
 def fuzz_transforms(c: Case):
@@ -695,7 +697,7 @@ def fuzz_transforms(c: Case):
     if op == "dot_general" and mode == "value":  # the product bound too, element by element
         with jax.default_matmul_precision("highest"):
             abs_sum = jax.jit(stacked(block(False, "highest")))(*(jnp.abs(f32(a)) for a in args))
-        excess = float(_stacked_product_excess(mine[0], exact[0], abs_sum, jnp_own[0], k=k))
+        excess = float(jax.jit(_excess, static_argnums=3)(mine[0], exact[0], abs_sum, k, jnp_own[0]))
         ok &= excess <= 0
         detail += f"; excess {excess:.3e}"
     return desc, ok, detail
@@ -711,12 +713,6 @@ def _scanned(fn, axes):
             return carry, fn(*(next(it) if ax is not None else a for a, ax in zip(args, axes)))
         return lax.scan(body, None, xs)[1]
     return scanned
-
-
-@functools.partial(jax.jit, static_argnames="k")
-def _stacked_product_excess(out, ref, abs_sum, jnp_own, *, k):
-    bound = jnp.maximum(rounding(out.dtype, ref) + k * F32_UNIT_ROUNDOFF * abs_sum, jnp.abs(f32(jnp_own) - ref))
-    return jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)
 
 
 # The ops a sharded case runs (the kind family's named kinds are for one device's product).
