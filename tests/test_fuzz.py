@@ -11,6 +11,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -207,3 +208,65 @@ def test_a_wrong_second_derivative_fails_the_forward_over_reverse_cases(fuzz, mo
     second = [c for c in cases if c["what"].endswith("mode=second")]
     assert len(cases) == 14 and len(second) >= 2, [c["what"] for c in cases]
     assert all(c["ok"] != (c in second) for c in cases), [(c["what"], c["detail"]) for c in cases]
+
+
+def test_the_squared_model_is_each_outputs_terms_in_quadrature(fuzz):
+    """An mlp without activation, in reverse mode: the squared model gives each output the
+    square root of the sum of its terms' squares (dh = g W2^T: sum_k g^2 W2^2; db1 sums dh
+    over rows; dW2 = h^T g with h's own model, its value squared plus its pre-activation's
+    spread)."""
+    rng = np.random.default_rng(0)
+    x, w1, b1, w2, b2, g = (rng.standard_normal(s).astype(np.float32) for s in
+                            [(5, 3), (3, 4), (4,), (4, 3), (3,), (5, 3)])
+    model = fuzz.squared_block("mlp", jnp.bfloat16, activation=None, residual=False)
+    y, pullback = jax.vjp(model, *(jnp.asarray(v) for v in (x, w1, b1, w2, b2)))
+    dx, dw1, db1, dw2, db2 = (np.asarray(v) for v in pullback(jnp.asarray(g * g)))
+    dh = (g * g) @ (w2 * w2).T
+    z = x @ w1 + b1
+    h = z * z + (x * x) @ (w1 * w1) + b1 * b1
+    # rtol: the spread is a difference of f32 values ~|z| over 2^-6 sqrt(zz) (2^-18 |z| / sqrt(zz)).
+    check = functools.partial(np.testing.assert_allclose, rtol=1e-4)
+    check(db1, dh.sum(0))
+    check(dw1, (x * x).T @ dh)
+    check(dw2, h.T @ (g * g))
+    check(db2, (g * g).sum(0))
+    check(np.asarray(y), h @ (w2 * w2) + b2 * b2)
+
+
+def test_a_jump_within_the_pre_activations_spread_counts_whole(fuzz):
+    """relu' jumps at 0: a z nearer 0 than its rounding noise may have the other sign in a
+    correct program, so its derivative's model carries the whole jump (in units of u); a z
+    far from 0 carries none."""
+    u = fuzz.unit_roundoff(jnp.bfloat16)
+    zz, z = jnp.ones(2), jnp.array([1e-4, 1.0])
+    model = fuzz._squared_activation("relu", 1, u, zz, z)
+    np.testing.assert_allclose(np.asarray(model), [1.0 + (1.0 / (fuzz.KINK_REACH * u)) ** 2, 1.0])
+
+
+def test_the_rounding_noise_allowance(fuzz):
+    """A result of two elements, jnp's exact (lucky): ours two standard deviations of its
+    rounding noise off passes only by that allowance; NOISE_SIGMAS + 1 off fails."""
+    exact = jnp.array([1.1, -0.4], jnp.float32)
+    noise = jnp.array([4.6, 3.0], jnp.float32)
+    jnp_own = exact.astype(jnp.bfloat16)
+    u = fuzz.unit_roundoff(jnp.bfloat16)
+    for sigmas, bad in [(2.0, False), (fuzz.NOISE_SIGMAS + 1.0, True)]:
+        mine = (exact + sigmas * u * noise).astype(jnp.bfloat16)
+        without, = fuzz.as_accurate_as_jnp([mine], [jnp_own], [exact])
+        with_noise, = fuzz.as_accurate_as_jnp([mine], [jnp_own], [exact], [noise])
+        assert without.bad and with_noise.bad == bad and with_noise.by_noise == (not bad)
+
+
+def test_a_wrong_jax_result_is_reported_and_no_yardstick(fuzz):
+    """jax's own result off by the data's scale (XLA partitioned jax's own reverse-mode
+    product wrongly once, seed 101 case 1844): reported; ours is then judged by the f32
+    reference and its rounding noise alone, not by twice jax's error."""
+    exact = jnp.linspace(-3.0, 3.0, 64, dtype=jnp.float32)
+    noise = jnp.abs(exact) + 1.0
+    jax_own = (exact[::-1]).astype(jnp.bfloat16)  # the right values in the wrong places
+    right = exact.astype(jnp.bfloat16)
+    wrong = (exact + 0.3).astype(jnp.bfloat16)  # past 6 u noise (<= 0.094) and an ulp of the scale (0.023)
+    (ours_right,), (ours_wrong,) = (fuzz.as_accurate_as_jnp([o], [jax_own], [exact], [noise]) for o in (right, wrong))
+    assert ours_right.jax_wrong and not ours_right.bad
+    assert ours_wrong.jax_wrong and ours_wrong.bad
+    assert "JAX OWN WRONG" in fuzz.describe([ours_right])
