@@ -239,7 +239,7 @@ def test_a_jump_within_the_pre_activations_spread_counts_whole(fuzz):
     far from 0 carries none."""
     u = fuzz.unit_roundoff(jnp.bfloat16)
     zz, z = jnp.ones(2), jnp.array([1e-4, 1.0])
-    model = fuzz._squared_activation("relu", 1, u, zz, z)
+    model = fuzz._squared_activation("relu", 1, u, 1, zz, z)
     np.testing.assert_allclose(np.asarray(model), [1.0 + (1.0 / (fuzz.KINK_REACH * u)) ** 2, 1.0])
 
 
