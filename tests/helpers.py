@@ -36,6 +36,13 @@ def f32_reference(a, b):
     return jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
+def full_f32():
+    """The context for an f32 reference built from jnp code (x @ w on f32 arrays): jax's
+    default f32 dot is TF32 on a GPU (10-bit products), as rough as the 16-bit results it
+    would check."""
+    return jax.default_matmul_precision("highest")
+
+
 def relative_error(c, ref) -> float:
     """||C - C_ref||_F / ||C_ref||_F, computed in f32 on the device."""
     diff = c.astype(jnp.float32) - ref

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ULP, cuda_text, relative_error, seed_normal
+from helpers import ULP, cuda_text, full_f32, relative_error, seed_normal
 from test_dense import ACTIVATIONS, F32_ACT
 
 import jax_hopper
@@ -73,7 +73,8 @@ def assert_as_accurate_as_jnp(what, mine, jnp_own, exact):
 
 
 def assert_gradients_as_accurate_as_jnp(mine, operands, activation):
-    exact = grads(plain_block(activation), operands, jnp.float32)
+    with full_f32():
+        exact = grads(plain_block(activation), operands, jnp.float32)
     jnp_own = grads(plain_block(activation), operands)
     for name, g, j, e in zip(("x", "w1", "b1", "w2", "b2"), mine, jnp_own, exact):
         assert g.shape == e.shape and g.dtype == operands[0].dtype, name
@@ -214,7 +215,8 @@ def test_optional_operands_and_their_gradients(b1, b2, residual):
 
     operands = (x, w1, bias1, w2, bias2)
     mine = jax.jit(jax.grad(f, argnums=ARGNUMS))(*operands)
-    exact = jax.grad(g, argnums=ARGNUMS)(*[v.astype(jnp.float32) for v in operands])
+    with full_f32():
+        exact = jax.grad(g, argnums=ARGNUMS)(*[v.astype(jnp.float32) for v in operands])
     for name, m, e, used in zip(("x", "w1", "b1", "w2", "b2"), mine, exact, (True, True, b1, True, b2)):
         if used:  # (an absent bias is not an input of f: its gradient is jax's zeros)
             assert relative_error(m, e) < 2e-2, name  # 16-bit intermediates (see the exact rule above)
@@ -246,9 +248,10 @@ def test_per_example_gradients_of_vectors(policy, saved):
         dx, dw1 = jax.jit(jax.vmap(per_example, in_axes=(0, None)))(x, w1)
     assert dx.shape == x.shape and dw1.shape == (4,) + w1.shape
     for i in range(4):
-        exact = jax.grad(lambda x, w1: 0.5 * jnp.sum((F32_ACT["silu"](x @ w1 + b1.astype(jnp.float32)) @
-                                                      w2.astype(jnp.float32) + b2.astype(jnp.float32) + x) ** 2),
-                         argnums=(0, 1))(x[i].astype(jnp.float32), w1.astype(jnp.float32))
+        with full_f32():
+            exact = jax.grad(lambda x, w1: 0.5 * jnp.sum((F32_ACT["silu"](x @ w1 + b1.astype(jnp.float32)) @
+                                                          w2.astype(jnp.float32) + b2.astype(jnp.float32) + x) ** 2),
+                             argnums=(0, 1))(x[i].astype(jnp.float32), w1.astype(jnp.float32))
         assert relative_error(dx[i], exact[0]) < 2e-2 and relative_error(dw1[i], exact[1]) < 2e-2
 
 
@@ -267,7 +270,8 @@ def test_second_order_gradient(policy, saved):
         with jax_hopper.dispatch(policy), _dispatch.saved_derivative({"gelu_tanh"} if saved else ()):
             return jax.jit(jax.grad(f, argnums=0))(*ops)
 
-    exact = gnorm(plain_block("gelu_tanh"), jnp.float32)
+    with full_f32():
+        exact = gnorm(plain_block("gelu_tanh"), jnp.float32)
     assert_as_accurate_as_jnp("the gradient's gradient", gnorm(ours("gelu_tanh")), gnorm(plain_block("gelu_tanh")),
                               exact)
 
@@ -285,7 +289,8 @@ def test_forward_mode(activation, dtype, policy, saved):
     with jax_hopper.dispatch(policy), _dispatch.saved_derivative({activation} if saved else ()):
         mine = jax.jit(lambda p, t: jax.jvp(ours(activation), p, t))(operands, tangents)
     jnp_own = jax.jit(lambda p, t: jax.jvp(plain_block(activation), p, t))(operands, tangents)
-    exact = jax.jvp(plain_block(activation), *[[v.astype(jnp.float32) for v in vs] for vs in (operands, tangents)])
+    with full_f32():
+        exact = jax.jvp(plain_block(activation), *[[v.astype(jnp.float32) for v in vs] for vs in (operands, tangents)])
     for what, m, j, e in zip(("value", "tangent"), mine, jnp_own, exact):
         assert m.dtype == dtype and m.shape == e.shape
         assert_as_accurate_as_jnp(what, m, j, e)
@@ -319,8 +324,9 @@ def test_forward_mode_in_one_operand(moving):
         np.testing.assert_array_equal(np.asarray(mine), np.asarray(tangent))
         return
     _, jnp_own = jax.jvp(at(jnp_with_residual, jnp.float16), (operands[moving],), (tangent,))
-    _, exact = jax.jvp(at(jnp_with_residual, jnp.float32), (operands[moving].astype(jnp.float32),),
-                       (tangent.astype(jnp.float32),))
+    with full_f32():
+        _, exact = jax.jvp(at(jnp_with_residual, jnp.float32), (operands[moving].astype(jnp.float32),),
+                           (tangent.astype(jnp.float32),))
     assert_as_accurate_as_jnp("tangent", mine, jnp_own, exact)
 
 
@@ -338,7 +344,8 @@ def test_hessian_vector_product(policy, saved):
         with jax_hopper.dispatch(policy), _dispatch.saved_derivative({"silu"} if saved else ()):
             return jax.jit(lambda p, t: jax.jvp(g, p, t)[1])(cast(operands), cast(tangents))
 
-    exact = hvp(plain_block("silu"), jnp.float32)
+    with full_f32():
+        exact = hvp(plain_block("silu"), jnp.float32)
     for name, m, j, e in zip(("x", "w1", "b1", "w2", "b2"), hvp(ours("silu")), hvp(plain_block("silu")), exact):
         assert_as_accurate_as_jnp(f"H v for {name}", m, j, e)
 
@@ -357,7 +364,8 @@ def test_gradient_of_the_tangent(policy):
         with jax_hopper.dispatch(policy):
             return jax.jit(jax.grad(f, argnums=ARGNUMS))(*[v.astype(dtype) for v in operands])
 
-    exact = of_tangent(plain_block("gelu_tanh"), jnp.float32)
+    with full_f32():
+        exact = of_tangent(plain_block("gelu_tanh"), jnp.float32)
     for name, m, j, e in zip(("x", "w1", "b1", "w2", "b2"), of_tangent(ours("gelu_tanh"), jnp.float16),
                              of_tangent(plain_block("gelu_tanh"), jnp.float16), exact):
         if name == "b2":  # the tangent does not depend on b2 (it enters y additively)
@@ -386,9 +394,11 @@ def test_jacfwd_and_hessian():
 
     for transform, shape in ((jax.jacfwd, (12, 8, 16)), (jax.hessian, (16, 16))):
         wrap = (lambda f: f) if transform is jax.jacfwd else half_square
-        mine, jnp_own, exact = (
-            jax.jit(transform(functools.partial(wrap(relu_block), dtype=dtype, block=block)))(b1.astype(dtype))
-            for block, dtype in ((our_relu, jnp.float16), (jnp_relu, jnp.float16), (jnp_relu, jnp.float32)))
+        def run(block, dtype):
+            return jax.jit(transform(functools.partial(wrap(relu_block), dtype=dtype, block=block)))(b1.astype(dtype))
+        mine, jnp_own = run(our_relu, jnp.float16), run(jnp_relu, jnp.float16)
+        with full_f32():
+            exact = run(jnp_relu, jnp.float32)
         assert mine.shape == shape
         assert_as_accurate_as_jnp(transform.__name__, mine, jnp_own, exact)
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_product, cuda_text, relative_error
+from helpers import assert_same_product, cuda_text, full_f32, relative_error
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -1136,7 +1136,8 @@ def test_mlp_gradients_under_sharding(pattern, policy, saved):
     placed = [jax.device_put(v, NamedSharding(mm, s)) for v, s in zip(operands, specs)]
     with jax_hopper.dispatch(policy), _dispatch.saved_derivative({"gelu_tanh"} if saved else ()):
         mine = jax.jit(jax.grad(loss(ours("gelu_tanh")), argnums=ARGNUMS))(*placed)
-    exact = jax.grad(loss(plain_block("gelu_tanh")), argnums=ARGNUMS)(*[v.astype(jnp.float32) for v in operands])
+    with full_f32():
+        exact = jax.grad(loss(plain_block("gelu_tanh")), argnums=ARGNUMS)(*[v.astype(jnp.float32) for v in operands])
     # jnp's block under the same sharding: partial sums over sharded contractions are
     # rounded to 16 bits before the all-reduce there too.
     jnp_own = jax.jit(jax.grad(loss(plain_block("gelu_tanh")), argnums=ARGNUMS))(*placed)
@@ -1183,7 +1184,9 @@ def test_mlp_forward_mode_under_sharding(pattern, policy):
     with jax_hopper.dispatch(policy):
         mine = tangent(ours("silu"), placed, placed_t)
     jnp_own = tangent(plain_block("silu"), placed, placed_t)
-    exact = jax.jvp(plain_block("silu"), *[tuple(v.astype(jnp.float32) for v in vs) for vs in (operands, tangents)])[1]
+    with full_f32():
+        exact = jax.jvp(plain_block("silu"), *[tuple(v.astype(jnp.float32) for v in vs)
+                                               for vs in (operands, tangents)])[1]
     assert_as_accurate_as_jnp("tangent", mine, jnp_own, exact)
 
 
@@ -1212,8 +1215,9 @@ def test_mlp_forward_mode_inside_shard_map(policy):
     with jax_hopper.dispatch(policy):
         mine = jvp_in_shard_map(lambda *a: jax_hopper.mlp(*a, activation="gelu_tanh", residual=a[0]))
     jnp_own = jvp_in_shard_map(plain)
-    exact = jax.jvp(plain, *[tuple(v.astype(jnp.float32) for v in vs)
-                             for vs in ((x, w1, b1, w2, b2), (dx, dw1, db1, dw2, db2))])
+    with full_f32():
+        exact = jax.jvp(plain, *[tuple(v.astype(jnp.float32) for v in vs)
+                                 for vs in ((x, w1, b1, w2, b2), (dx, dw1, db1, dw2, db2))])
     for what, m, j, e in zip(("value", "tangent"), mine, jnp_own, exact):
         assert m.shape == e.shape
         assert_as_accurate_as_jnp(what, m, j, e)
