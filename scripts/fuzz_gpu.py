@@ -36,7 +36,7 @@ jnp's own largest error against the same f32 reference, plus one ulp of the larg
 of |z|), and its normwise error at most 1.5x jnp's plus ULP / sqrt(size) (the suite's
 rule, with room for one element an ulp from jnp's on tiny results). Where jnp's own error
 is no yardstick (a few elements, by luck nearer than rounding makes typical), a layer's or
-gradient's element may instead be off by 6 standard deviations of its 16-bit rounding noise,
+gradient's element may instead be off by 10 standard deviations of its 16-bit rounding noise,
 u times its terms' quadrature (NOISE_SIGMAS, from the block's squared model). A wrong tile,
 row or column, a stale or unwritten element is off by the data's own scale, far outside the
 product bounds; the layer and gradient rules are relative to jnp's accuracy, so they are
@@ -261,16 +261,22 @@ def _relative(x, exact):
 # 121: a 2-element bf16 bias gradient, ours 4.7 ulps off where jnp's was 0.7, whose sum of
 # 233 terms cancels from sum|t_i| = 70 to 1.1). So an element may also be off by
 # NOISE_SIGMAS of these standard deviations, and the normwise error by noise_norm_factor(n)
-# of them (NOISE_SIGMAS on a result of one element, down to 1.5 on large ones).
+# of them (NOISE_SIGMAS on a result of one element, down to NOISE_NORM_BASE on large ones).
 # The quadrature magnitudes sqrt(sum t_i^2) come from the same derivative program run on the
 # block's squared model (squared_block): each operand, cotangent and tangent squared, the
 # activation's derivatives squared at the exact pre-activation, and every sum kept: the
 # model's outputs are then sum t_i^2 for each output's terms, order by order.
-NOISE_SIGMAS = 6.0
+# How many: jnp's own 16-bit mlp programs, against this model over 60 random cases (every
+# activation; reverse, forward, forward-over-reverse), reached at most 9.0 standard deviations
+# in an element (the per-output maxima's median: 4.3) and normwise 2.7 (2.4 on a result of
+# 38,868 elements); 16-bit tanh-GELU's elements excepted, whose 1 + tanh cancels (38 sigma;
+# ours is f32 there).
+NOISE_SIGMAS = 10.0
+NOISE_NORM_BASE = 2.5
 
 
 def noise_norm_factor(n):
-    return 1.5 + (NOISE_SIGMAS - 1.5) / math.sqrt(max(n, 1))
+    return NOISE_NORM_BASE + (NOISE_SIGMAS - NOISE_NORM_BASE) / math.sqrt(max(n, 1))
 
 
 def unit_roundoff(dtype):
