@@ -558,11 +558,14 @@ def fuzz_dot(c: Case):
     with jax_hopper.dispatch(policy):
         path = jax_hopper.dispatch_path(a, b, dims, preferred_element_type=preferred)
     what = f"dot {policy} {dtype.name} pref={preferred} lhs={lhs_shape} rhs={rhs_shape} dims={dims} path={path}"
-    out = c.run(f, out_shape.shape, out_shape.dtype, a, b)
-    if out.shape != out_shape.shape or out.dtype != out_shape.dtype:
-        return what, False, f"type {out.shape} {out.dtype}, jnp's {out_shape.shape} {out_shape.dtype}"
+    out, ours_refused = attempt(lambda *xs: c.run(f, out_shape.shape, out_shape.dtype, *xs), a, b)
     expected, refused = attempt(jax.jit(lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=preferred)),
                                 a, b)
+    if ours_refused is not None:  # on XLA's path ours is jax's own program: a refusal of both is jax's
+        same = refused is not None and type(refused) is type(ours_refused)
+        return what, same, f"{'both raise' if same else 'ours raises'}: {first_line(ours_refused)}"
+    if out.shape != out_shape.shape or out.dtype != out_shape.dtype:
+        return what, False, f"type {out.shape} {out.dtype}, jnp's {out_shape.shape} {out_shape.dtype}"
     if refused is not None:  # XLA:CPU runs no bf16 x bf16 = f32 dot of some shapes; ours must still be right
         excess = product_excess(out, a, b, dims)
         return what, excess <= 0, f"excess {excess:.3e} (jax's own raised: {first_line(refused)})"
