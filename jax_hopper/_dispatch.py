@@ -69,13 +69,19 @@ def _checked(policy: str) -> str:
 # under another policy: found in a review of the fuzz's transforms family). jax defines
 # options through a private module only; both supported jax versions have this signature.
 # It reads JAX_HOPPER_DISPATCH itself (checked first, for our error message).
+def _jax_option(define: Callable, name: str, *args, **kwargs):
+    """jax's option `name`, made by define(name, *args, **kwargs) once a process (a reload
+    of this module finds the one made before), in jax's trace context and jit key."""
+    state = jax_config.config_states.get(name)
+    if state is None:
+        state = define(name, *args, **kwargs, include_in_jit_key=True, include_in_trace_context=True)
+    return state
+
+
 _checked(os.environ.get(_ENV, "auto"))
-_policy = jax_config.config_states.get(_ENV.lower())  # defined once a process (a reload finds it)
-if _policy is None:
-    _policy = jax_config.enum_state(
-        _ENV.lower(), list(POLICIES), default="auto",
-        help="jax_hopper's dispatch policy: auto (the measured rules), kernel (ours wherever it applies), xla (never)",
-        include_in_jit_key=True, include_in_trace_context=True)
+_policy = _jax_option(
+    jax_config.enum_state, _ENV.lower(), list(POLICIES), default="auto",
+    help="jax_hopper's dispatch policy: auto (the measured rules), kernel (ours wherever it applies), xla (never)")
 
 
 def current_policy() -> str:
@@ -465,12 +471,9 @@ SAVED_DERIVATIVE_ACTIVATIONS: frozenset = frozenset({"gelu_exact", "gelu_tanh", 
 # The override is a jax configuration option in jax's trace context and jit key too (as
 # the policy is): a function traced under one override is traced again under another.
 _SAVED_DERIVATIVE_OPTION = "jax_hopper_saved_derivative"
-_saved_derivative_override = jax_config.config_states.get(_SAVED_DERIVATIVE_OPTION)
-if _saved_derivative_override is None:
-    _saved_derivative_override = jax_config.string_or_object_state(
-        _SAVED_DERIVATIVE_OPTION, default=None,
-        help="jax_hopper's saved-derivative override (benchmark and tests): None, or the activations that save act'",
-        include_in_jit_key=True, include_in_trace_context=True)
+_saved_derivative_override = _jax_option(
+    jax_config.string_or_object_state, _SAVED_DERIVATIVE_OPTION, default=None,
+    help="jax_hopper's saved-derivative override (benchmark and tests): None, or the activations that save act'")
 
 
 def may_save_derivative(activation: str | None) -> bool:
