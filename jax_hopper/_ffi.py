@@ -1,8 +1,5 @@
-"""Loading the compiled extension and registering its XLA FFI targets with jax.
-
-Kept apart from the op definitions: everything here is about the shared library, and
-nothing else in the package imports the extension directly.
-"""
+"""The compiled extension: loading it, registering its XLA FFI targets, and whether the
+kernel can run here. Nothing else in the package imports the extension."""
 
 from __future__ import annotations
 
@@ -11,13 +8,10 @@ import warnings
 
 import jax
 
-GEMM_TARGET = "jax_hopper_gemm"
-GEMM_FUSED_TARGET = "jax_hopper_gemm_fused"  # C = act(A @ B + bias) + residual
-GEMM_FUSED_GRAD_TARGET = "jax_hopper_gemm_fused_grad"  # (A @ B) * act'(z), and its column sums
-GEMM_FUSED_DERIVATIVE_TARGET = "jax_hopper_gemm_fused_derivative"  # act(A @ B + bias), act'(A @ B + bias)
+from jax_hopper import _kernels
 
 try:
-    from jax_hopper import _jax_hopper  # the nanobind extension built by CMake
+    from jax_hopper import _jax_hopper  # built by CMake
 except ImportError as err:  # built without nvcc, or not built at all
     _jax_hopper = None
     _IMPORT_ERROR: ImportError | None = err
@@ -33,15 +27,26 @@ def kernel_available() -> bool:
 @functools.cache
 def register() -> bool:
     """Registers the FFI targets for the CUDA platform once; returns kernel_available().
-
-    Registering on a CPU-only jaxlib is accepted (queued until a CUDA plugin loads), so
-    this is safe to call at import everywhere.
-    """
+    A CPU-only jaxlib accepts the registration (queued until a CUDA plugin loads)."""
     if _jax_hopper is None:
         return False
     for name, capsule in _jax_hopper.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     return True
+
+
+@functools.cache
+def compiled_instances() -> frozenset[_kernels.Instance]:
+    """The (kind name, Instance) pairs this installation compiled (empty without the kernel)."""
+    if _jax_hopper is None:
+        return frozenset()
+    return frozenset((kind, _kernels.Instance(dtype, a, b, stages))
+                     for kind, dtype, a, b, stages in _jax_hopper.compiled_instances())
+
+
+def kind_compiled(kind: str) -> bool:
+    """Whether any instance of this kernel kind is compiled here."""
+    return any(name == kind for name, _ in compiled_instances())
 
 
 @functools.cache
@@ -64,8 +69,7 @@ def local_gpus_are_hopper() -> bool:
 
 
 def hopper_gpus_visible() -> bool:
-    """Whether this process sees CUDA GPUs, all of them Hoppers (not merely a machine
-    lowering for CUDA without one)."""
+    """Whether this process sees CUDA GPUs, all of them Hoppers."""
     try:
         return bool(jax.devices("cuda")) and local_gpus_are_hopper()
     except RuntimeError:
@@ -73,8 +77,8 @@ def hopper_gpus_visible() -> bool:
 
 
 def kernel_unavailable_reason() -> str | None:
-    """Why a product sent to the kernel computes through XLA's dot here instead (not
-    built, or a CUDA GPU that is not a Hopper), or None where the kernel runs."""
+    """Why a product sent to the kernel computes through XLA's dot here (not built, or a
+    CUDA GPU that is not a Hopper), or None where the kernel runs."""
     if not register():
         return missing_kernel_reason()
     if not local_gpus_are_hopper():

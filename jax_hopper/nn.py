@@ -21,7 +21,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jax_hopper.ops import dense, mlp
+from jax_hopper.layers import dense, mlp
 
 
 def _dense_params(module, in_features):

@@ -1,8 +1,10 @@
-"""The fallback: the same product through XLA's own dot, exactly as jnp.dot computes it.
+"""The primitives' computations through XLA: each kernel's arithmetic (f32 products and
+epilogue, one rounding), and each layer as jnp computes it.
 
-Used on every platform other than CUDA, on CUDA GPUs that are not Hopper, and where the
-kernel was not built. It is also the default lowering of the primitive, so one program
-runs anywhere.
+The kernel's arithmetic is every primitive's lowering off CUDA, on GPUs that are not
+Hopper and where the kernel is not built, so one program runs anywhere; jnp's form is
+what the dispatcher runs where it leaves a layer to XLA (as fast as the user's own jnp,
+and as accurate).
 """
 
 from __future__ import annotations
