@@ -112,3 +112,31 @@ def assert_same_product(out, expected, lhs, rhs, dimension_numbers):
 def cuda_text(fn, *args):
     """StableHLO of jit(fn) lowered for CUDA (works on a machine without a GPU)."""
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def decided(problem, policy=None, **op):
+    """(path, rule) the dispatcher decides for `problem` with these op fields (_problem.Problem)."""
+    import dataclasses
+
+    from jax_hopper import _dispatch
+
+    decision = _dispatch.decide(dataclasses.replace(problem, **op), policy)
+    return decision.path, decision.rule
+
+
+def kernel_ids():
+    """{kind name: the FFI `kernel` attribute value} (jax_hopper._kernels)."""
+    from jax_hopper import _kernels
+
+    return {kind.name: kind.id for kind in _kernels.KINDS}
+
+
+# The fused activations, and each as an f32 reference (jax.nn's definitions).
+ACTIVATIONS = [None, "relu", "gelu_tanh", "gelu_exact", "silu"]
+F32_ACT = {
+    None: lambda z: z,
+    "relu": jax.nn.relu,
+    "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
+    "gelu_exact": lambda z: jax.nn.gelu(z, approximate=False),
+    "silu": lambda z: z * jax.nn.sigmoid(z),
+}

@@ -3,7 +3,7 @@ path, each against its f32 reference, element by element, until a time budget ru
 
 The test suite checks chosen shapes; this draws fresh ones (tile edges, odd sizes, tiny and
 few-thousand dimensions, batches, layouts, dtypes) for:
-  kind    each compiled kernel kind by name (_primitive.gemm), in the layouts, dtypes and
+  kind    each compiled kernel kind by name (primitives.gemm.gemm), in the layouts, dtypes and
           output types it is compiled for, output poisoned with NaN first;
   dot     the public dot_general with random dimension numbers (batch, free and contracting
           dims in any order, several of each) under policies "kernel" and "auto";
@@ -46,7 +46,7 @@ is off by the data's own scale, far outside the product bounds; the layer and gr
 rules are relative to jnp's accuracy where that is larger, so they are weaker where jnp's
 block is itself inaccurate (relu after a bf16 z rounded twice).
 
-    python scripts/fuzz_gpu.py --seconds 300 --seed 0 --json fuzz.json
+    python3 tests/fuzz.py --seconds 300 --seed 0 --json fuzz.json
 
 Prints each case as it ends and every failure with what reproduces it (seed, families, case
 number: the same script, since a change to a family's draws renumbers its cases); exits 1
@@ -84,36 +84,43 @@ if __name__ == "__main__" and _cpu_devices_flag(sys.argv):
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from f16_model import ABS_FLOOR, BOUND_SLACK, F16_UNIT_ROUNDOFF_ANY_ROUNDING, emulate_steps  # noqa: E402
+from helpers import ACTIVATIONS, F32_ACT, F32_UNIT_ROUNDOFF, ULP, run_into_poison  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from helpers import F32_UNIT_ROUNDOFF, ULP, run_into_poison  # noqa: E402
-from test_dense import ACTIVATIONS, F32_ACT  # noqa: E402
-from test_f16_accumulation import ABS_FLOOR, BOUND_SLACK, F16_UNIT_ROUNDOFF_ANY_ROUNDING, _emulate_steps  # noqa: E402
-
 import jax_hopper  # noqa: E402
-from jax_hopper._primitive import KERNELS, gemm  # noqa: E402
+from jax_hopper import _ffi, _kernels  # noqa: E402
+from jax_hopper.primitives.gemm import gemm  # noqa: E402
 
 F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 LAYOUTS = [(False, False), (False, True), (True, False), (True, True)]  # (transpose_a, transpose_b)
 JNP_LAYOUT = [(False, False)]
-# What each kind is compiled for (cuda/gemm/instances.def): layouts, operand dtypes.
-KINDS = {
-    "persistent": (LAYOUTS, (F16, BF16)),
-    "v5": (JNP_LAYOUT, (F16, BF16)),
-    "persistent_basic": (JNP_LAYOUT, (F16,)),
-    "persistent_tma": (JNP_LAYOUT, (F16,)),
-    "persistent_wait0": (JNP_LAYOUT, (F16,)),
-    "persistent_immediate": (JNP_LAYOUT, (F16,)),
-    "persistent_static": (JNP_LAYOUT, (F16,)),
-    "persistent_streamk": (JNP_LAYOUT, (F16,)),
-    "persistent_pingpong": (JNP_LAYOUT, (F16,)),
-    "persistent_f16acc": (LAYOUTS, (F16,)),
-    "small_m": (JNP_LAYOUT, (F16, BF16)),
-}
-assert set(KINDS) == set(KERNELS), f"kinds with no fuzz entry, or gone: {set(KERNELS) ^ set(KINDS)}"
+_LAYOUT_OF = {("K", "MN"): (False, False), ("K", "K"): (False, True), ("MN", "MN"): (True, False),
+              ("MN", "K"): (True, True)}
+_DTYPE_OF = {"f16": F16, "bf16": BF16}
+
+
+def compiled_kinds():
+    """{kind: (layouts, dtypes)} for the plain kinds this build compiled (jax_hopper._kernels);
+    off a machine with the kernel, the default build's."""
+    instances = _ffi.compiled_instances() or {(k.name, i) for k in _kernels.KINDS for i in k.instances
+                                              if not i.experimental}
+    kinds = {}
+    for name, inst in sorted(instances, key=lambda x: (x[0], x[1].dtype, x[1].major_a, x[1].major_b)):
+        if name not in _kernels.GEMM_KINDS:
+            continue
+        layouts, dtypes = kinds.setdefault(name, ([], []))
+        layout, dtype = _LAYOUT_OF[(inst.major_a, inst.major_b)], _DTYPE_OF[inst.dtype]
+        if layout not in layouts:
+            layouts.append(layout)
+        if dtype not in dtypes:
+            dtypes.append(dtype)
+    return {name: (layouts, tuple(dtypes)) for name, (layouts, dtypes) in kinds.items()}
+
+
+KINDS = compiled_kinds()
 # Tile edges of the kinds (64/128-row, 128/256-column tiles, 64-deep K tiles) and TMA's
 # 8-element row multiple: sizes at, just under and just over them find off-by-ones.
 EDGES = (8, 16, 64, 128, 192, 256, 384, 512, 1024, 2048)
@@ -511,7 +518,7 @@ def _f16_accumulated_excess(out, a, b):
     unit roundoff per accumulator update), which tracks the real error, unlike the worst
     case K 2^-11 sum|a||b| (3.6 at K = 512 on unit-variance results: a zeroed row passed)."""
     ref = jnp.matmul(f32(a), f32(b), precision="highest")
-    _, total = _emulate_steps(a, b)
+    _, total = emulate_steps(a, b)
     bound = BOUND_SLACK * F16_UNIT_ROUNDOFF_ANY_ROUNDING * total + ABS_FLOOR
     return jnp.max(jnp.abs(f32(out) - ref) - bound, initial=0.0)
 

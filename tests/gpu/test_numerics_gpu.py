@@ -85,7 +85,7 @@ SELECTABLE = [("v5", 2, jnp.float16), ("v5", 3, jnp.float16), ("v5", 4, jnp.floa
 @pytest.mark.parametrize("shape", [(1000, 3000, 4160), (8192, 8192, 8192), (129, 257, 72), (100, 101, 103)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_selectable_kernels_are_correct(hopper, kernel, stages, dtype, shape):
-    from jax_hopper._primitive import gemm
+    from jax_hopper.primitives.gemm import gemm
 
     m, n, k = shape
     a, b = _inputs(m, n, k, dtype, seed=stages)
@@ -115,7 +115,7 @@ DEFERRED_STORE_SHAPES = [(8192, 8192, 64), (4160, 4096, 192), (300, 8704, 200), 
                          ids=lambda x: getattr(x, "__name__", str(x)))
 @pytest.mark.parametrize("shape", DEFERRED_STORE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_deferred_store_edges(hopper, shape, kernel, dtype):
-    from jax_hopper._primitive import gemm
+    from jax_hopper.primitives.gemm import gemm
 
     *lead, m, n, k = shape
     ka, kb = jax.random.split(jax.random.key(m + n + k))
@@ -163,7 +163,7 @@ UNALIGNED_C_KERNELS = [("persistent", jnp.float16, False), ("persistent", jnp.bf
                          else getattr(x, "__name__", str(x)))
 @pytest.mark.parametrize("shape", UNALIGNED_C_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_output_rows_tma_cannot_store(hopper, shape, kernel, dtype, transpose_b):
-    from jax_hopper._primitive import gemm
+    from jax_hopper.primitives.gemm import gemm
 
     *lead, m, n, k = shape
     ka, kb = jax.random.split(jax.random.key(m * n + k))
@@ -181,7 +181,7 @@ def test_dynamic_tiles_every_call(hopper):
     # counter not zeroed would start where the previous call's ended (128) if XLA gives
     # this call the same scratch, skip tiles and leave NaN poison. (If XLA handed out
     # fresh zeroed memory instead, the test could not see a missing memset.)
-    from jax_hopper._primitive import gemm
+    from jax_hopper.primitives.gemm import gemm
 
     m, n, k = 2048, 4096, 256
     keys = jax.random.split(jax.random.key(7), 6)
@@ -205,7 +205,7 @@ def test_pingpong_turns_with_one_k_tile_and_tiles_past_m(hopper, shape):
     # other per tile: one K tile per unit (no wgmma wait to keep a warpgroup's warps
     # together), and an odd number of 128-row tiles (the last cluster's second CTA has
     # its units past M, passed through without MMAs) amid many units per CTA.
-    from jax_hopper._primitive import gemm
+    from jax_hopper.primitives.gemm import gemm
 
     m, n, k = shape
     a, b = _inputs(m, n, k, jnp.float16, seed=11)
@@ -345,7 +345,7 @@ def test_stream_k_tail_is_correct_and_deterministic(hopper, shape):
     """The experimental stream-K kind splits the last wave's K iterations over all
     clusters and sums the partial accumulators in a fixed order: right, and bitwise the
     same on every call (8192^3: 1024 cluster tiles on 66 clusters leave a tail of 34)."""
-    from jax_hopper._primitive import gemm
+    from jax_hopper.primitives.gemm import gemm
 
     m, n, k = shape
     a, b = _inputs(m, n, k, jnp.float16, seed=7)
@@ -363,7 +363,7 @@ def test_stream_k_really_splits_the_tail(hopper):
     different f32 summation order from the default kernel's, which some of 256 x 8192
     outputs must show in their last bit. (Until the workspace alignment fix, XLA gave no
     workspace and the kind quietly ran whole tiles: the default kernel's exact bits.)"""
-    from jax_hopper._primitive import gemm
+    from jax_hopper.primitives.gemm import gemm
 
     a, b = _inputs(256, 8192, 8192, jnp.float16, seed=8)  # 32 tiles on 66 clusters: all tail
     split = np.asarray(jax.jit(lambda x, y: gemm(x, y, kernel="persistent_streamk"))(a, b))
@@ -389,7 +389,7 @@ def test_small_m_kind_is_correct_and_deterministic(hopper, shape, dtype):
     (rows past M, warps holding none of them, partial N and K tiles, no split at
     3x100x103; an odd K over 96-2048 rows, as "auto" sends here while its tiles fit one
     wave; 1000 rows end in a partial tile), and bitwise the same on every call."""
-    from jax_hopper._primitive import gemm
+    from jax_hopper.primitives.gemm import gemm
 
     m, n, k = shape
     a, b = _inputs(m, n, k, dtype, seed=11)
@@ -419,7 +419,7 @@ def test_small_m_rows_past_the_a_box_stay_out_of_the_result(hopper, shape, out_d
     reach the result, which must match the f32 reference. (Shared memory is not cleared
     between kernels, so the stale rows are NaN here; were they not, the test would still
     pass with a correct kernel and could only miss a bug.)"""
-    from jax_hopper._primitive import gemm
+    from jax_hopper.primitives.gemm import gemm
 
     m, n, k = shape
     a, b = _inputs(m, n, k, jnp.float16, seed=13)
@@ -441,7 +441,7 @@ def test_small_m_kind_really_splits_k(hopper):
     """At 16 x 8192 x 8192 (64 tiles of 64x128, four pieces each) every tile's K range is
     cut into pieces: the f32 sums come out in a different order from the default
     kernel's, which some outputs must show in their last bit."""
-    from jax_hopper._primitive import gemm
+    from jax_hopper.primitives.gemm import gemm
 
     a, b = _inputs(16, 8192, 8192, jnp.float16, seed=12)
     split = np.asarray(jax.jit(lambda x, y: gemm(x, y, kernel="small_m", out_dtype=jnp.float32))(a, b))

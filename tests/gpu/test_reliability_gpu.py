@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import f32_reference, relative_error, seed_normal
+from helpers import f32_reference, kernel_ids, relative_error, seed_normal
 
 import jax_hopper
-from jax_hopper._primitive import KERNELS
+
+KERNELS = kernel_ids()
 
 F16 = jnp.float16
 

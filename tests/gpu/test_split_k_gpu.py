@@ -69,7 +69,7 @@ _PROGRAM = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from helpers import run_into_poison
     import test_split_k_gpu as t
-    from jax_hopper._primitive import gemm
+    from jax_hopper.primitives.gemm import gemm
     outs = {}
     for case in map(tuple, json.loads(sys.argv[2])):
         case = (tuple(case[0]),) + case[1:]

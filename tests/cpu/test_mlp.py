@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ULP, cuda_text, full_f32, relative_error, seed_normal
+from helpers import ULP, cuda_text, decided, full_f32, relative_error, seed_normal
 from test_dense import ACTIVATIONS, F32_ACT
 
 import jax_hopper
-from jax_hopper import _dispatch
-from jax_hopper._fallback import activation_derivative, activation_grad_like_jnp, activation_grad_reference
-from jax_hopper._fused import fused_dense_with_derivative
+from jax_hopper import _dispatch, _problem
+from jax_hopper._reference import activation_derivative, activation_grad_like_jnp, activation_grad_reference
+from jax_hopper.primitives.dense_derivative import fused_dense_with_derivative
 
 ERROR_FACTOR = 1.5
 ARGNUMS = (0, 1, 2, 3, 4)  # x, w1, b1, w2, b2
@@ -141,24 +141,24 @@ def test_auto_saves_the_derivative_where_the_derivative_kind_runs(activation):
 
 
 def test_saved_derivative_dispatch():
-    problem = _dispatch.problem_of((8192, 4096), (4096, 16384), jnp.float16, jnp.float16, False, False)
-    assert _dispatch.choose_dense_with_derivative(problem, "gelu_exact", "auto") == ("kernel", "fused-activation")
-    assert _dispatch.choose_dense_with_derivative(problem, "relu", "auto")[0] == "xla"
-    assert _dispatch.choose_dense_with_derivative(problem, "relu", "kernel") == ("kernel", "policy=kernel")
-    assert _dispatch.choose_dense_with_derivative(problem, "silu", "xla") == ("xla", "policy=xla")
+    problem = _problem.problem_of((8192, 4096), (4096, 16384), jnp.float16, jnp.float16, False, False)
+    assert decided(problem, "auto", op="dense_derivative", activation="gelu_exact") == ("kernel", "fused-activation")
+    assert decided(problem, "auto", op="dense_derivative", activation="relu")[0] == "xla"
+    assert decided(problem, "kernel", op="dense_derivative", activation="relu") == ("kernel", "policy=kernel")
+    assert decided(problem, "xla", op="dense_derivative", activation="silu") == ("xla", "policy=xla")
     # tanh-GELU and SiLU: the fused dense alone stops at K = 4096, the saved form at 8192.
     for activation in ("gelu_tanh", "silu"):
-        assert _dispatch.choose_dense_with_derivative(problem, activation, "auto") == ("kernel", "fused-activation")
-        k8192 = _dispatch.problem_of((8192, 8192), (8192, 32768), jnp.bfloat16, jnp.bfloat16, False, False)
-        assert _dispatch.choose_dense_with_derivative(k8192, activation, "auto") == ("kernel", "saved-derivative")
-        assert _dispatch.choose_dense(k8192, activation, "auto") == ("xla", "default")
-        k16384 = _dispatch.problem_of((8192, 16384), (16384, 32768), jnp.float16, jnp.float16, False, False)
-        assert _dispatch.choose_dense_with_derivative(k16384, activation, "auto") == (
+        assert decided(problem, "auto", op="dense_derivative", activation=activation) == ("kernel", "fused-activation")
+        k8192 = _problem.problem_of((8192, 8192), (8192, 32768), jnp.bfloat16, jnp.bfloat16, False, False)
+        assert decided(k8192, "auto", op="dense_derivative", activation=activation) == ("kernel", "saved-derivative")
+        assert decided(k8192, "auto", op="dense", activation=activation) == ("xla", "default")
+        k16384 = _problem.problem_of((8192, 16384), (16384, 32768), jnp.float16, jnp.float16, False, False)
+        assert decided(k16384, "auto", op="dense_derivative", activation=activation) == (
             "xla", "derivative-kind-not-ahead")
-        small_m = _dispatch.problem_of((2048, 8192), (8192, 32768), jnp.float16, jnp.float16, False, False)
-        assert _dispatch.choose_dense_with_derivative(small_m, activation, "auto")[0] == "xla"
-    odd = _dispatch.problem_of((8192, 4096), (4096, 16380), jnp.float16, jnp.float16, False, False)
-    assert _dispatch.choose_dense_with_derivative(odd, "gelu_exact", "kernel") == (
+        small_m = _problem.problem_of((2048, 8192), (8192, 32768), jnp.float16, jnp.float16, False, False)
+        assert decided(small_m, "auto", op="dense_derivative", activation=activation)[0] == "xla"
+    odd = _problem.problem_of((8192, 4096), (4096, 16380), jnp.float16, jnp.float16, False, False)
+    assert decided(odd, "kernel", op="dense_derivative", activation="gelu_exact") == (
         "xla", "derivative-width-not-multiple-of-8")
 
 
@@ -442,11 +442,11 @@ def test_kernel_policy_fuses_the_derivative_into_the_backward_product(saved):
 
 def test_auto_policy_runs_the_backward_form_where_measured_ahead():
     """With a bias gradient for the epilogue to sum, every dimension >= 4096 and K <= 8192
-    (_dispatch.choose_activation_grad); without one, at K = 16384 (unmeasured) and on
+    (rule "backward-form-with-bias-gradient"); without one, at K = 16384 (unmeasured) and on
     small layers the product and XLA's pass."""
     def choice(rows, width, hidden, bias_grad):
-        problem = _dispatch.problem_of((rows, width), (hidden, width), jnp.float16, jnp.float16, False, True)
-        return _dispatch.choose_activation_grad(problem, "gelu_tanh", "auto", bias_grad=bias_grad)
+        problem = _problem.problem_of((rows, width), (hidden, width), jnp.float16, jnp.float16, False, True)
+        return decided(problem, "auto", op="activation_grad", activation="gelu_tanh", bias_grad=bias_grad)
 
     assert choice(8192, 4096, 16384, True) == ("kernel", "backward-form-with-bias-gradient")
     assert choice(4096, 4096, 4096, True) == ("kernel", "backward-form-with-bias-gradient")
@@ -466,8 +466,9 @@ def test_auto_policy_runs_the_backward_form_where_measured_ahead():
 @pytest.mark.parametrize("width", [33, 34])
 def test_hidden_width_off_the_tma_multiple_takes_xla_for_the_backward_form(width):
     # The backward form TMA-loads z1 and TMA-stores dz1: rows of a multiple of 8 elements.
-    problem = _dispatch.problem_of((256, 128), (width, 128), jnp.float16, jnp.float16, False, True)
-    assert _dispatch.choose_activation_grad(problem, "silu", "kernel") == ("xla", "hidden-width-not-multiple-of-8")
+    problem = _problem.problem_of((256, 128), (width, 128), jnp.float16, jnp.float16, False, True)
+    assert decided(problem, "kernel", op="activation_grad", activation="silu") == (
+        "xla", "hidden-width-not-multiple-of-8")
     operands = block_operands((64,), 16, width, jnp.float16)
     assert "jax_hopper_gemm_fused_grad" not in gradient_program("silu", operands, "kernel")
     with jax_hopper.dispatch("kernel"):

@@ -8,9 +8,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import decided
 
 import jax_hopper
-from jax_hopper import _dispatch, _ffi
+from jax_hopper import _ffi, _problem
 
 
 class _FakeGpu:
@@ -70,10 +71,10 @@ def test_auto_dispatch_never_picks_a_kernel_that_cannot_run(monkeypatch, restore
         with jax_hopper.dispatch("auto"):
             assert jax_hopper.dispatch_path(_struct(8191, 8191), _struct(8191, 8191), NN) == ("xla",
                                                                                             "kernel-unavailable")
-            square = _dispatch.problem_of((8192, 8192), (8192, 8192), jnp.float16, jnp.float16, False, False)
-            assert _dispatch.choose_f16_accumulation(square) == ("xla", "kernel-unavailable", False)
-            layer = _dispatch.problem_of((8192, 4096), (4096, 16384), jnp.float16, jnp.float16, False, False)
-            assert _dispatch.choose_dense(layer, "gelu_exact") == ("xla", "kernel-unavailable")
+            square = _problem.problem_of((8192, 8192), (8192, 8192), jnp.float16, jnp.float16, False, False)
+            assert decided(square, f16_accumulation=True) == ("xla", "kernel-unavailable")
+            layer = _problem.problem_of((8192, 4096), (4096, 16384), jnp.float16, jnp.float16, False, False)
+            assert decided(layer, op="dense", activation="gelu_exact") == ("xla", "kernel-unavailable")
             x, w, b = _struct(8192, 4096), _struct(4096, 16384), _struct(16384)
             text = jax.jit(lambda x, w, b: jax_hopper.dense(x, w, b, activation="gelu_exact")).trace(x, w, b).lower(
                 lowering_platforms=("cuda",)).as_text()

@@ -21,7 +21,8 @@ from test_mlp import ARGNUMS, assert_gradients_as_accurate_as_jnp, block_operand
 
 import jax_hopper
 from jax_hopper import _dispatch
-from jax_hopper._fused import fused_activation_grad, fused_dense_with_derivative
+from jax_hopper.primitives.dense_derivative import fused_dense_with_derivative
+from jax_hopper.primitives.dense_grad import fused_activation_grad
 
 SHAPES = [  # (M, N, K): g [M, K], w [N, K], z [M, N]
     (4096, 4096, 4096),
@@ -225,7 +226,7 @@ def test_backward_form_column_sums_cover_every_block(hopper, m, n):
     """The handler's partial sums, called directly with both results poisoned (NaN):
     every one of the ceil(M / 64) rows and N columns is written, each the column sums of
     its 64 rows of dz (rows past M add nothing)."""
-    from jax_hopper._fused import COLUMN_SUM_ROWS
+    from jax_hopper.primitives.dense_grad import COLUMN_SUM_ROWS
 
     k = 200
     g, w, z = _operands((m,), n, k, jnp.float16, seed=m + n)

@@ -14,10 +14,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import cuda_text
+from helpers import cuda_text, decided, kernel_ids
 
 import jax_hopper
-from jax_hopper import _dispatch
+from jax_hopper import _dispatch, _problem, _rules
 
 TARGET = "jax_hopper_gemm"
 NN = (((1,), (0,)), ((), ()))
@@ -29,7 +29,7 @@ def _structs(m, n, k, dtype=jnp.float16):
 
 def _kind_of(m, n, k, dtype=jnp.float16):
     """The kind our kernel would run jnp.dot's (m, k) @ (k, n) with."""
-    return _dispatch.kernel_for(_dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False))
+    return _rules.kernel_for(_problem.problem_of((m, k), (k, n), dtype, dtype, False, False))
 
 
 def _custom_calls(m, n, k, dtype=jnp.float16):
@@ -114,12 +114,12 @@ def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype
         # The default kernel's tile bound itself: 54 tiles won (1152x1536x4095 1.64x), 48 lost
         # (1024x1536x4095 0.79-0.82x); a fused layer runs the default kernel's tiles, so at
         # 1280x1280x4095 (50 tiles, 0.86x) it is XLA's though the plain product is ours.
-        wins = _dispatch._unaligned_rows_win
-        assert wins(_dispatch.Problem(0, 1152, 1536, 4095, 2, 2, False, False), "persistent")
-        assert not wins(_dispatch.Problem(0, 1024, 1536, 4095, 2, 2, False, False), "persistent")
-        p1280 = _dispatch.Problem(0, 1280, 1280, 4095, 2, 2, False, False)
-        assert _dispatch.choose(p1280)[0] == "kernel" and _dispatch.kernel_for(p1280) == "small_m"
-        assert _dispatch.choose_dense(p1280, None)[0] == "xla"
+        wins = _rules.unaligned_rows_win
+        assert wins(_problem.Problem(0, 1152, 1536, 4095, 2, 2, False, False), "persistent")
+        assert not wins(_problem.Problem(0, 1024, 1536, 4095, 2, 2, False, False), "persistent")
+        p1280 = _problem.Problem(0, 1280, 1280, 4095, 2, 2, False, False)
+        assert decided(p1280)[0] == "kernel" and _rules.kernel_for(p1280) == "small_m"
+        assert decided(p1280, op="dense", activation=None)[0] == "xla"
         # Where the small-M kind is not compiled (here A stored [K, M], M = 255 odd; batched
         # products), the default kernel with up to 256 rows needs 24 blocks of B's columns
         # (batch x N / 256): 16 lost (256x4096x4095 0.92x, 2x100x2048x8191 0.91x), 24 won
@@ -136,21 +136,21 @@ def test_unaligned_products_whose_padding_copies_outweigh_them_stay_on_xla(dtype
         # Aligned products keep the kinds they had (policy "kernel": small-M only up to 64 rows).
         assert _kind_of(128, 4096, 4096, dtype) == "persistent"
     # The copy's bytes: only the unaligned operand, at its padded length, read and written.
-    p = _dispatch.problem_of((16, 4096), (4096, 50257), dtype, dtype, False, False)
-    assert p.padding_copy_us == pytest.approx(1e6 * 2 * 4096 * 50264 * 2 / _dispatch.H200_PEAK_BYTES_PER_S)
-    aligned = _dispatch.problem_of((16, 4096), (4096, 50304), dtype, dtype, False, False)
+    p = _problem.problem_of((16, 4096), (4096, 50257), dtype, dtype, False, False)
+    assert p.padding_copy_us == pytest.approx(1e6 * 2 * 4096 * 50264 * 2 / _problem.H200_PEAK_BYTES_PER_S)
+    aligned = _problem.problem_of((16, 4096), (4096, 50304), dtype, dtype, False, False)
     assert aligned.padding_copy_us == 0.0
-    batched_tn = _dispatch.Problem(3, 64, 512, 1001, 2, 2, True, False)  # A stored [K, M], B [K, N]
+    batched_tn = _problem.Problem(3, 64, 512, 1001, 2, 2, True, False)  # A stored [K, M], B [K, N]
     assert batched_tn.padding_copy_us == 0.0  # A's rows (M = 64) and B's (N = 512) are aligned; K is outer in both
-    batched_nt = _dispatch.Problem(3, 64, 512, 1001, 2, 2, False, True)  # both K-major, K = 1001 rows padded
+    batched_nt = _problem.Problem(3, 64, 512, 1001, 2, 2, False, True)  # both K-major, K = 1001 rows padded
     assert batched_nt.padding_copy_us == pytest.approx(1e6 * 2 * 3 * (64 + 512) * 1008 * 2 /
-                                                      _dispatch.H200_PEAK_BYTES_PER_S)
+                                                      _problem.H200_PEAK_BYTES_PER_S)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_wide_aligned_products_run_our_kernel_only_as_measured(dtype):
     # M and N both >= 16384, K >= 4096, jnp.dot's layout: our kernel ran 0.999-1.029x
-    # cuBLASLt there (_dispatch.WIDE_MIN_MN); with only one of them that large it tied.
+    # cuBLASLt there (_rules.WIDE_MIN_MN); with only one of them that large it tied.
     with jax_hopper.dispatch("auto"):
         # ... and LM heads (N a vocabulary) over 16384 or 32768 tokens ran 1.015-1.039x.
         for m, n, k in [(16384, 16384, 16384), (16384, 16384, 4096), (32768, 16384, 8192), (16384, 32768, 8192),
@@ -166,14 +166,14 @@ def test_wide_aligned_products_run_our_kernel_only_as_measured(dtype):
         a = jax.ShapeDtypeStruct((16384, 8192), dtype)
         b_t = jax.ShapeDtypeStruct((16384, 8192), dtype)
         assert jax_hopper.dispatch_path(a, b_t, (((1,), (1,)), ((), ()))) == ("xla", "default")
-        batched = _dispatch.Problem(2, 16384, 16384, 8192, 2, 2, False, False)
-        assert _dispatch.choose(batched) == ("xla", "default")
-        f32_out = _dispatch.problem_of((16384, 8192), (8192, 16384), dtype, jnp.float32, False, False)
-        assert _dispatch.choose(f32_out) == ("xla", "default")
-        wide = _dispatch.problem_of((16384, 8192), (8192, 16384), dtype, dtype, False, False)
-        assert _dispatch.choose(wide) == ("kernel", "wide-aligned")
-        assert _dispatch.choose_dense(wide, None) == ("xla", "default")
-        assert _dispatch.choose_dense(wide, "relu") == ("xla", "default")
+        batched = _problem.Problem(2, 16384, 16384, 8192, 2, 2, False, False)
+        assert decided(batched) == ("xla", "default")
+        f32_out = _problem.problem_of((16384, 8192), (8192, 16384), dtype, jnp.float32, False, False)
+        assert decided(f32_out) == ("xla", "default")
+        wide = _problem.problem_of((16384, 8192), (8192, 16384), dtype, dtype, False, False)
+        assert decided(wide) == ("kernel", "wide-aligned")
+        assert decided(wide, op="dense", activation=None) == ("xla", "default")
+        assert decided(wide, op="dense", activation="relu") == ("xla", "default")
 
 
 def test_alignment_is_judged_on_the_stored_rows_of_each_layout():
@@ -185,7 +185,7 @@ def test_alignment_is_judged_on_the_stored_rows_of_each_layout():
         # ... but the output row (N = 4095 f16) is not: the kernel.
         assert jax_hopper.dispatch_path(a, b, nt)[0] == "kernel"
         assert jax_hopper.dispatch_path(a, b, nt, preferred_element_type=jnp.float32)[0] == "kernel"
-    p = _dispatch.problem_of((4096, 4096), (4096, 4096), jnp.float16, jnp.float16, False, True)
+    p = _problem.problem_of((4096, 4096), (4096, 4096), jnp.float16, jnp.float16, False, True)
     assert p.rows_aligned and p.operand_rows == (4096, 4096)
 
 
@@ -232,14 +232,23 @@ def test_environment_variable_sets_the_starting_policy():
         assert out.strip() == policy
 
 
-def test_every_rule_states_its_evidence():
-    assert _dispatch.RULES[-1].applies(_dispatch.problem_of((1, 1), (1, 1), jnp.float16, jnp.float16, False,
-                                                            False)), "the table must end with a catch-all"
-    for rule in _dispatch.RULES:
-        assert rule.path in ("kernel", "xla") and len(rule.evidence) > 20, rule
+@pytest.mark.parametrize("op", _problem.OPS)
+@pytest.mark.parametrize("policy", _dispatch.POLICIES)
+def test_every_problem_is_decided_and_every_rule_states_its_condition(op, policy):
+    """Each op has a catch-all under each policy (decide never runs off the table), and each
+    kernel rule of the table names results files that back it."""
+    for m, n, k in [(1, 1, 1), (8192, 8192, 8192), (16, 8191, 4095)]:
+        problem = _problem.problem_of((m, k), (k, n), jnp.float16, jnp.float16, False, False, op=op,
+                                      activation="gelu_exact" if op != "product" else None)
+        assert _dispatch.decide(problem, policy).path in ("kernel", "xla")
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    for rule in _rules.RULES:
+        assert rule.path in ("kernel", "xla") and rule.condition, rule
+        if rule.path == "kernel" and rule.policies == ("auto",):
+            assert rule.evidence and all((repo / f).is_file() for f in rule.evidence), rule
 
 
-LIMIT = _dispatch.KERNEL_MAX_DIM  # 2^31 - 1: the kernel's tile coordinates are int32
+LIMIT = _problem.KERNEL_MAX_DIM  # 2^31 - 1: the kernel's tile coordinates are int32
 
 
 @pytest.mark.parametrize("a_shape, b_shape, fits", [
@@ -253,9 +262,14 @@ def test_products_past_the_kernels_limits_are_xlas_under_every_policy(a_shape, b
     """cuda/gemm/gemm.cc refuses a dimension of 2^31 or more, when the program runs. XLA
     computes such products, so they are XLA's dot under every policy (dispatch_path says
     why), and each primitive bound onto our kernel directly computes them through XLA."""
-    from jax_hopper._ffi import GEMM_FUSED_DERIVATIVE_TARGET, GEMM_FUSED_GRAD_TARGET, GEMM_FUSED_TARGET
-    from jax_hopper._fused import fused_activation_grad, fused_dense, fused_dense_with_derivative
-    from jax_hopper._primitive import DEFAULT_KERNEL, gemm
+    from jax_hopper._kernels import DEFAULT_KIND as DEFAULT_KERNEL
+    from jax_hopper._kernels import FUSED as GEMM_FUSED_TARGET
+    from jax_hopper._kernels import FUSED_DERIVATIVE as GEMM_FUSED_DERIVATIVE_TARGET
+    from jax_hopper._kernels import FUSED_GRAD as GEMM_FUSED_GRAD_TARGET
+    from jax_hopper.primitives.dense import fused_dense
+    from jax_hopper.primitives.dense_derivative import fused_dense_with_derivative
+    from jax_hopper.primitives.dense_grad import fused_activation_grad
+    from jax_hopper.primitives.gemm import gemm
 
     f16 = jnp.float16
     a, b = jax.ShapeDtypeStruct(a_shape, f16), jax.ShapeDtypeStruct(b_shape, f16)
@@ -284,13 +298,15 @@ def test_products_past_the_kernels_limits_are_xlas_under_every_policy(a_shape, b
 
 
 def _dense_problem(m, k, n, dtype=jnp.float16):
-    return _dispatch.problem_of((m, k), (k, n), dtype, dtype, False, False)
+    return _problem.problem_of((m, k), (k, n), dtype, dtype, False, False)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_fused_activation_rule_covers_only_what_was_measured(dtype):
     with jax_hopper.dispatch("auto"):
-        choose = _dispatch.choose_dense
+        def choose(problem, activation):
+            return decided(problem, op="dense", activation=activation)
+
         k4096 = _dense_problem(8192, 4096, 16384, dtype)
         for act in ("gelu_exact", "gelu_tanh", "silu"):  # measured ahead at K = 4096
             assert choose(k4096, act) == ("kernel", "fused-activation"), act
@@ -314,11 +330,11 @@ def test_fused_activation_rule_covers_only_what_was_measured(dtype):
         # ... for the fused kinds' 128x256 tiles, though, whatever kind the plain product
         # would run: 128 rows x 16 tiles is the class the default kernel lost (0.91x).
         odd_k = _dense_problem(128, 4095, 4096, dtype)
-        assert _dispatch.choose(odd_k) == ("kernel", "unaligned-rows")  # the plain product: split-K kind
+        assert decided(odd_k) == ("kernel", "unaligned-rows")  # the plain product: split-K kind
         assert choose(odd_k, "relu") == ("xla", "default")
         assert choose(odd_k, "gelu_exact") == ("xla", "default")
     with jax_hopper.dispatch("xla"):
-        assert _dispatch.choose_dense(k4096, "gelu_exact") == ("xla", "policy=xla")
+        assert decided(k4096, op="dense", activation="gelu_exact") == ("xla", "policy=xla")
 
 
 def test_dense_lowering_follows_the_rule_and_its_gradient_stays_16_bit():
@@ -385,7 +401,7 @@ def _kernel_kinds(fn, *args):
 
 
 def test_decode_sized_products_run_the_small_m_kind_once_our_kernel_is_asked_for():
-    from jax_hopper._primitive import KERNELS
+    KERNELS = kernel_ids()
 
     small, default = KERNELS["small_m"], KERNELS["persistent"]
     with jax_hopper.dispatch("kernel"):
@@ -410,7 +426,7 @@ def test_vmap_of_a_decode_product_picks_the_kind_again_for_the_batched_shape():
     """kernel_for picked the small-M kind for 16 rows; vmapped over 8 activations the
     product has 128 rows (folded into M), or a batch dim with per-example weights: the
     default kind, which the small-M kind is not measured ahead of there."""
-    from jax_hopper._primitive import KERNELS
+    KERNELS = kernel_ids()
 
     x, w = _structs(16, 8192, 8192)
     xs = jax.ShapeDtypeStruct((8, 16, 8192), jnp.float16)
@@ -431,7 +447,7 @@ def test_vmap_under_auto_asks_the_rules_again_for_the_batched_shape():
     default kernel with 16 blocks of B's columns, which lost (2x100x2048x8191, 0.91x):
     XLA's dot. Vmapped over the activations only, it is one product of 200 rows, which
     the rules take (the small-M kind). Policy "kernel" still runs ours."""
-    from jax_hopper._primitive import KERNELS
+    KERNELS = kernel_ids()
 
     x, w = _structs(100, 2048, 8191)
     xs = jax.ShapeDtypeStruct((2, 100, 8191), jnp.float16)
@@ -463,7 +479,8 @@ def test_vmap_asks_again_only_what_the_rules_picked():
     the f16-accumulating kind, picked under "auto" for one product, is asked again too."""
     from jax.extend.core import jaxpr_as_fun
 
-    from jax_hopper._primitive import KERNELS, gemm
+    from jax_hopper.primitives.gemm import gemm
+    KERNELS = kernel_ids()
 
     xs = jax.ShapeDtypeStruct((2, 100, 8191), jnp.float16)
     ws = jax.ShapeDtypeStruct((2, 8191, 2048), jnp.float16)
@@ -531,8 +548,8 @@ def test_the_rules_send_no_recorded_loss_to_our_kernel():
             if kind is None:
                 continue
             ta, tb = _LAYOUT_FLAGS[row["layout"]]
-            problem = _dispatch.Problem(row["batch"], row["m"], row["n"], row["k"], 2, 2, ta, tb)
-            if _dispatch.choose(problem, "auto")[0] == "kernel" and _dispatch.kernel_for(problem) == kind:
+            problem = _problem.Problem(row["batch"], row["m"], row["n"], row["k"], 2, 2, ta, tb)
+            if decided(problem, "auto")[0] == "kernel" and _rules.kernel_for(problem) == kind:
                 checked.append((path.name, row["variant"], row["batch"], row["m"], row["n"], row["k"], row["dtype"]))
                 assert row["kernel_ratio_vs_jnp"] >= 1.0, checked[-1]
     assert len(checked) >= 50, checked  # the recorded wins are still taken (36 at 0c3f06c, 57 since 18:24)
@@ -542,10 +559,10 @@ def test_a_trace_made_under_one_policy_is_not_reused_under_another(monkeypatch):
     """The policy is in jax's trace context: jit's cache, jax.checkpoint's and a jitted
     function's derivative are traced again under another policy. (With a context variable,
     jax.checkpoint replayed an "auto" trace -- XLA's dot -- inside dispatch("kernel").)"""
-    from jax_hopper import _primitive
+    from jax_hopper.primitives import gemm
     binds = []
-    bind = _primitive.gemm_p.bind
-    monkeypatch.setattr(_primitive.gemm_p, "bind", lambda *a, **k: binds.append(1) or bind(*a, **k))
+    bind = gemm.gemm_p.bind
+    monkeypatch.setattr(gemm.gemm_p, "bind", lambda *a, **k: binds.append(1) or bind(*a, **k))
     a = jnp.ones((3, 64, 64), jnp.float16)
     b = jnp.ones((64, 64), jnp.float16)
 

@@ -18,18 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cuda_text, relative_error, seed_normal, weak
+from helpers import ACTIVATIONS, F32_ACT, cuda_text, relative_error, seed_normal, weak
 
 import jax_hopper
+from jax_hopper.primitives import dense as dense_primitive
 
-ACTIVATIONS = [None, "relu", "gelu_tanh", "gelu_exact", "silu"]
-F32_ACT = {
-    None: lambda z: z,
-    "relu": jax.nn.relu,
-    "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
-    "gelu_exact": lambda z: jax.nn.gelu(z, approximate=False),
-    "silu": lambda z: z * jax.nn.sigmoid(z),
-}
 ERROR_FACTOR = 1.5
 
 
@@ -325,7 +318,8 @@ def test_empty_dimensions_give_what_jnp_gives(x_shape, n):
 def test_an_empty_contraction_lowers_to_xla_even_when_the_kernel_is_forced():
     """K = 0: act(bias) (+ residual) with no product; the fused kinds have no zero-fill
     path (their host refuses K = 0), so every fused lowering computes it through XLA."""
-    from jax_hopper._fused import fused_activation_grad, fused_dense_with_derivative
+    from jax_hopper.primitives.dense_derivative import fused_dense_with_derivative
+    from jax_hopper.primitives.dense_grad import fused_activation_grad
 
     x, w, b = jnp.ones((64, 0), jnp.float16), jnp.ones((0, 64), jnp.float16), jnp.ones((64,), jnp.float16)
     g, w_t, z = jnp.ones((64, 0), jnp.float16), jnp.ones((64, 0), jnp.float16), jnp.ones((64, 64), jnp.float16)
@@ -401,14 +395,13 @@ def test_a_layer_the_rules_leave_to_xla_on_its_shards_is_jnps(activation):
     rules picked the fused kind for the whole layer (rules=True) but would not for these
     shapes, the device computes jnp's layer, bit for bit, as the same shapes unsharded do
     (called directly here: this branch emits no custom call, so it runs anywhere)."""
-    from jax_hopper import _dispatch
-    from jax_hopper._fallback import ACTIVATION_FNS
-    from jax_hopper._fused import _cuda_impl
+    from jax_hopper._reference import ACTIVATION_FNS
+    from jax_hopper.primitives.dense import _cuda_impl
 
     if not jax_hopper.kernel_available():
         pytest.skip("without the built kernel the impl computes the reference arithmetic first")
     x, w, b, r = _operands((48, 64), 32, jnp.float16, seed=5)
-    assert not _dispatch.layer_runs_kernel(x.shape, w.shape, x.dtype, activation)
+    assert not dense_primitive.layer_runs_kernel(x.shape, w.shape, x.dtype, activation)
 
     def shard(x, w, b, r):
         return _cuda_impl(x, w, b, r, activation=activation, has_bias=True, has_residual=True, rules=True)
@@ -442,7 +435,7 @@ def test_gradient_where_only_the_activation_picked_the_kernel_is_jnps(monkeypatc
     cannot use the fused activation, and the plain product is XLA's: the derivative is
     jnp's own, bit for bit. (The rule's size threshold is lowered to reach it here.)"""
     from jax_hopper import _dispatch
-    from jax_hopper._fallback import ACTIVATION_FNS
+    from jax_hopper._reference import ACTIVATION_FNS
 
     monkeypatch.setattr(_dispatch, "FUSED_MIN_DIM", 16)
     x, w, b, r = _operands((48, 64), 32, jnp.float16, seed=4)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_product, cuda_text, full_f32, relative_error
+from helpers import assert_same_product, cuda_text, full_f32, kernel_ids, relative_error
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -104,7 +104,7 @@ def test_the_xla_kind_is_jnp_dots_program(pattern):
     only for its derivative rule) compiles to XLA's own dot, partitioned by XLA itself:
     no custom call (neither ours nor custom_partitioning's), the same collectives and
     values as jnp's dot."""
-    from jax_hopper._primitive import XLA_KERNEL, gemm
+    from jax_hopper.primitives.gemm import XLA_KERNEL, gemm
 
     a_shape, b_shape, dims, sa, sb = PATTERNS[pattern]
     mm = mesh()
@@ -196,7 +196,7 @@ def test_each_device_asks_the_rules_for_its_shards(rows, sharded, want):
     shard outside what they measured goes to XLA's dot, or to the kind they pick there).
     Explicit mesh axes plan the shards while lowering, so the lowered module shows each
     device's pick (no device needed; lowered for CUDA from four CPU devices)."""
-    from jax_hopper._primitive import KERNELS
+    KERNELS = kernel_ids()
 
     mm = _shard_mesh(AxisType.Explicit)
     a = jax.ShapeDtypeStruct((rows, SHARD_K), jnp.float16, sharding=NamedSharding(mm, P("x" if sharded else None)))
@@ -217,7 +217,9 @@ def test_a_kind_asked_for_by_name_runs_on_every_shard(sharded):
     """Only the rules' own picks are picked again: the small-M kind asked for by name on
     an aligned 1024x4096x4096 (kernel_for would give it, and its 256-row shards, the
     default kernel) lowers to the small-M kind, whole and on each device."""
-    from jax_hopper._primitive import KERNELS, SMALL_M_KERNEL, gemm
+    from jax_hopper._kernels import SMALL_M_KIND as SMALL_M_KERNEL
+    from jax_hopper.primitives.gemm import gemm
+    KERNELS = kernel_ids()
 
     mm = _shard_mesh(AxisType.Explicit)
     a = jax.ShapeDtypeStruct((1024, 4096), jnp.float16, sharding=NamedSharding(mm, P("x" if sharded else None)))
@@ -233,7 +235,9 @@ def test_a_sharded_contraction_asks_the_rules_for_f32_partial_sums(size, want):
     about that product: a 16384^3 that "wide-aligned" takes whole (16-bit output, the only
     one it measured) runs XLA's dot on its K shards; an unaligned 8191 x 8191 x 8192 keeps
     the default kernel (unaligned rows, f32 output or not)."""
-    from jax_hopper._primitive import DEFAULT_KERNEL, KERNELS, gemm
+    from jax_hopper._kernels import DEFAULT_KIND as DEFAULT_KERNEL
+    from jax_hopper.primitives.gemm import gemm
+    KERNELS = kernel_ids()
 
     mm = _shard_mesh(AxisType.Explicit)
     k = size + size % 2  # even, so that it splits over the mesh
@@ -257,8 +261,11 @@ def test_auto_axes_partitioned_products_pick_their_kind_per_device(rules, want):
     returns is each device's product on its shards: lowered for CUDA, an odd-K
     2048x1024x4095 split over 4 devices by M runs XLA's dot on its 512-row shards where
     the rules picked the small-M kind, and the small-M kind where it was asked for."""
-    from jax_hopper._primitive import KERNELS, SMALL_M_KERNEL, _cuda_impl, stages_of
-    from jax_hopper._sharding import _partition
+    from jax_hopper._kernels import SMALL_M_KIND as SMALL_M_KERNEL
+    from jax_hopper._kernels import stages_of
+    from jax_hopper.primitives.gemm import _cuda_impl
+    KERNELS = kernel_ids()
+    from jax_hopper.primitives.gemm import _partition
 
     mm = _shard_mesh(AxisType.Auto)
     rows = SHARD_ROWS_TO_XLA * SHARD_MESH_SIZE
@@ -325,8 +332,8 @@ def test_auto_axes_fused_layers_pick_their_kind_per_device(rules, fused):
     """Auto mesh axes: the per-device body _dense_partition returns, lowered for CUDA on
     its 2048-row shards, is jnp's tanh-GELU layer where the rules picked the fused kind
     for the whole layer, and the fused kind where it was forced (policy "kernel")."""
-    from jax_hopper._fused import _cuda_impl
-    from jax_hopper._sharding import _dense_partition
+    from jax_hopper.primitives.dense import _cuda_impl
+    from jax_hopper.primitives.dense import _partition as _dense_partition
 
     mm = _shard_mesh(AxisType.Auto)
     x, w, b = _layer_operands(mm, P("x", None))
@@ -352,8 +359,8 @@ def test_a_fused_layer_with_k_split_asks_the_rules_for_its_partial_sums(rules, w
     result, never measured on our kernel); a forced kind keeps our default kernel. (jax
     refuses a K split under explicit axes in jnp.dot, so ops.dense does too: the primitive
     is bound directly.)"""
-    from jax_hopper._fused import fused_dense
-    from jax_hopper._primitive import KERNELS
+    from jax_hopper.primitives.dense import fused_dense
+    KERNELS = kernel_ids()
 
     mm = _shard_mesh(AxisType.Explicit)
     x, w, b = _layer_operands(mm, P(None, "x"), P("x", None))
@@ -371,9 +378,10 @@ def test_partitioned_products_pass_each_device_its_shards_and_the_rules_flag():
     its per-device body must still get the shards' shapes and the `rules` flag, which
     _primitive._cuda_impl reads to pick each device's kind. A stand-in local product
     records what it is given (and computes XLA's dot), compiled for these CPU devices."""
-    from jax_hopper._fallback import gemm_reference
-    from jax_hopper._primitive import DEFAULT_KERNEL, stages_of
-    from jax_hopper._sharding import partitioned
+    from jax_hopper._kernels import DEFAULT_KIND as DEFAULT_KERNEL
+    from jax_hopper._kernels import stages_of
+    from jax_hopper._reference import gemm_reference
+    from jax_hopper.primitives.gemm import _partitioned as partitioned
 
     seen = []
 
@@ -399,8 +407,8 @@ def test_partitioned_fused_layers_pass_each_device_its_shards_and_the_rules_flag
     """As for plain products: custom_partitioning's per-device body of a fused layer gets
     its shards' shapes and the `rules` flag, which _fused._cuda_impl reads (a stand-in
     records them and computes the reference arithmetic on these CPU devices)."""
-    from jax_hopper._fallback import dense_reference
-    from jax_hopper._sharding import dense_partitioned
+    from jax_hopper._reference import dense_reference
+    from jax_hopper.primitives.dense import _partitioned as dense_partitioned
 
     seen = []
 

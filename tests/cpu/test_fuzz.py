@@ -1,13 +1,11 @@
-"""scripts/fuzz_gpu.py, the differential fuzz: it runs on any machine (off a Hopper GPU
+"""tests/fuzz.py, the differential fuzz: it runs on any machine (off a Hopper GPU
 through the fallback, which still checks our ops' planning against lax.dot_general), and
 it reports a wrong element rather than passing over it."""
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -17,16 +15,14 @@ from jax import lax
 
 import jax_hopper
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "fuzz_gpu.py"
 SMALL = ["--max-flops", "2e7", "--seconds", "120"]  # a CPU's worth of work per case
 
 
 @pytest.fixture(scope="module")
 def fuzz():
-    spec = importlib.util.spec_from_file_location("fuzz_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import fuzz
+
+    return fuzz
 
 
 FAMILIES = ["kind", "dot", "matmul", "vjp", "dense", "mlp", "transforms", "sharded", "explicit"]
