@@ -216,8 +216,9 @@ def performance_md(files: list[dict]) -> str:
         "untimed call just before leaves them, L2 *cold* evicts them first); *sustained* is wall time per call over "
         "back-to-back asynchronous calls, where the chip runs at its power limit. Sustained ratios within about 1% "
         "of 1.0 are a tie: two identical XLA programs read up to that far apart. Inputs are standard normal scaled "
-        "by K^-1/4, rotated among enough sets that they do not all sit in L2. The benchmark is "
-        "`python3 -m jax_hopper.bench` (docs/development.md); each table's sources name the command that ran.",
+        "by K^-1/4, rotated among enough sets that they do not all sit in L2. Each table's sources name the benchmark "
+        "command that produced their records; [development.md](development.md) describes the benchmark and how to "
+        "record results.",
         "",
         "Rows for other dispatcher decisions, and the measurements behind each rule, are in "
         "[docs/results/evidence/](results/evidence/README.md).",
