@@ -6,7 +6,7 @@ time into an f16 accumulator. Emulated here step by step -- the 16-product parti
 in f32, added to the f16 accumulator and rounded to nearest f16 -- this model gave the
 same relative error as the H200 measured with the benchmark's data to within 1% (K =
 1024: 1.18e-3, 4096: 2.35e-3, 8192: 3.31e-3 vs 1.18e-3, 2.35e-3, 3.32e-3;
-BENCHMARKS.md), while rounding toward zero would give 10-30x more. So:
+docs/numerics.md), while rounding toward zero would give 10-30x more. So:
   - every element lies within twice 2^-10 * sum over steps of |partial sum| of the f32
     reference (one f16 unit roundoff per accumulator update, whichever the rounding;
     twice for the perturbed partial sums and the unspecified in-step sum);
@@ -69,7 +69,8 @@ def _path(m, n, k, policy="auto", accumulation="f16"):
         return jax_hopper.dispatch_path(a, b, DIMS, accumulation=accumulation)
 
 
-# Shapes measured on the H200 (BENCHMARKS.md): where the f16-accumulating kernel beat
+# Shapes measured on the H200 (docs/results/evidence/f16acc_sweep_b966fdd.json and
+# bench_b966fdd.json): where the f16-accumulating kernel beat
 # cuBLASLt, and where it did not.
 F16_FASTER = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 16384, 4096), (16384, 16384, 16384),
               (4096, 14336, 4096), (4096, 4096, 14336)]
