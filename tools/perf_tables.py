@@ -157,7 +157,8 @@ def _protocol(row: dict) -> str:
     p = row["protocol"]
     if row["clock"] == "kernel":
         return f"kernel time, L2 {p['l2']}, median of {p['kernel_samples']}"
-    return f"sustained, {p['sustained_rounds']} rounds"
+    rounds = p["sustained_rounds"]
+    return f"sustained, {rounds} round{'s' if rounds != 1 else ''}"
 
 
 def _shape(row: dict) -> str:
@@ -180,7 +181,9 @@ def _source_line(doc: dict) -> list[str]:
 
 
 def _protocol_summary(p: dict) -> str:
-    text = f"kernel time median of {p['kernel_samples']} (L2 {p['l2']}), sustained {p['sustained_rounds']} rounds"
+    rounds = p["sustained_rounds"]
+    text = (f"kernel time median of {p['kernel_samples']} (L2 {p['l2']}), "
+            f"sustained {rounds} round{'s' if rounds != 1 else ''}")
     if "sustained_order" in p:
         text += f" ({p['sustained_order']})"
     return text
