@@ -114,6 +114,12 @@ def _records(source: dict, cache: dict) -> list[dict]:
     return node["rows"]
 
 
+def _is_record(record: dict, key: dict) -> bool:
+    """Whether a source record has the key's batch, m, n, k, layout and dtype (a batch of 0
+    and none are the same)."""
+    return all((record.get(k) or 0) == (v or 0) if k == "batch" else record.get(k) == v for k, v in key.items())
+
+
 def check_sources(files: list[dict]) -> list[str]:
     """Each row's numbers against its source record (rows from printed tables excepted)."""
     problems, cache = [], {}
@@ -126,11 +132,8 @@ def check_sources(files: list[dict]) -> list[str]:
                 continue
             if source.get("format") == "printed table":
                 continue
-            key = row["record"]
-            matching = {}
-            for record in _records(source, cache):
-                if all((record.get(k) or 0) == (v or 0) if k == "batch" else record.get(k) == v for k, v in key.items()):
-                    matching[record["variant"]] = record
+            matching = {record["variant"]: record for record in _records(source, cache)
+                        if _is_record(record, row["record"])}
             ms, ratio = CLOCK_FIELDS[row["clock"]]
             pairs = [("ours", "ours_ms", "ratio"), ("jnp", "jnp_ms", None), ("forced", "forced_ms", "forced_ratio")]
             for role, ms_key, ratio_key in pairs:
