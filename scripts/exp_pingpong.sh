@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The ping-pong kind (128x128 tile per consumer warpgroup, the two warpgroups taking the
-# CTA's tiles in turn; merged in f7df98f, measured slower than the default: BENCHMARKS.md)
+# CTA's tiles in turn; merged in f7df98f, measured slower than the default: BENCHMARKS.md in git history)
 # -- correctness first (the selectable-kernel tests: 8192^3, partial tiles, a tile past
 # M), then kernel time against the default and jnp.dot. About 40 s of build, <= 120 s of
 # tests, <= 200 s of benchmark: one 600 s device call.

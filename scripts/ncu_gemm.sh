@@ -5,7 +5,7 @@
 #   bash scripts/ncu_gemm.sh query 'lrc__|lts__t_requests'   # metric names on this GPU
 #   NCU_METRICS=a.sum,b.sum bash scripts/ncu_gemm.sh custom --kernel persistent 8192x8192x8192
 # clock: duration, SM clock, active cycles (min/avg/max), tensor-pipe use, L2 and DRAM
-# bytes, launch shape (what BENCHMARKS.md's cuBLASLt comparison used); l2: where the L2
+# bytes, launch shape (what the session log's cuBLASLt comparison used: BENCHMARKS.md in git history); l2: where the L2
 # traffic comes from (SM reads / writes, the other L2 partition via the fabric, hits).
 # Prints the per-kernel metric lines; the whole report goes to $NCU_LOG (default
 # /tmp/ncu_gemm.log). NCU_TIMEOUT (s, default 240) bounds the run.

@@ -16,7 +16,7 @@ Arguments: activation, shape TOKENSxDMODELxDFF (default the MLP benchmark's
   grad      the backward form computing act'(z1) from z1 (kind 10 with the activation)
 f16. The plain products are the reference for what each epilogue costs: at d_model 4096
 the derivative kind costs 0.12-0.15 ms over the plain product and the backward form
-about 0.1 ms (BENCHMARKS.md)."""
+about 0.1 ms (the session log, BENCHMARKS.md in git history)."""
 
 import ctypes
 import os

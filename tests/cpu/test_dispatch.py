@@ -509,7 +509,7 @@ def test_vmap_asks_again_only_what_the_rules_picked():
 # The benchmark's raw results for unaligned products since the session of 2026-12-04
 # 02:44 (`--l2 cold`; device code as at 8f0e228): kernel time of the kinds forced and of
 # the default path, each against jnp.dot in the same process.
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results" / "evidence"
 _LAYOUT_FLAGS = {"nn": (False, False), "nt": (False, True), "tn": (True, False), "tt": (True, True)}
 _FORCED_KIND = {"kernel": "persistent", "kernel small_m": "small_m", "small_m": "small_m", "persistent": "persistent"}
 
