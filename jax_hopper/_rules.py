@@ -31,6 +31,10 @@ SMALL_M_UNALIGNED_WIDE_MIN_N = 1024
 SMALL_M_UNALIGNED_WIDE_MIN_K = 2047
 SMALL_M_UNALIGNED_WIDE_MIN_TILES = 160
 SMALL_M_TILE_M, SMALL_M_TILE_N = 64, 128  # cuda/gemm/config.cuh
+KIND_EVIDENCE = tuple(EVIDENCE + name for name in (
+    "small_m_decode_97e975d.json", "decode_splitk_oneshot_b99a292_w1.json", "unaligned_small_m_128_72c3b75.json",
+    "unaligned_small_m_256_61d2284.json", "unaligned_small_m_wave_61d2284.json", "unaligned_small_m_rows_2c17bf9.json",
+    "unaligned_small_m_wide_570ecb0.json"))
 DEFAULT_TILE_M, DEFAULT_TILE_N = 128, 256
 
 
@@ -161,6 +165,11 @@ def backward_form_wins(p: Problem) -> bool:
             p.k <= BACKWARD_FORM_MAX_K)
 
 
+# An f32 result of f16 operands left to XLA's dot keeps our derivative rule
+# (primitives/gemm.py: _rounds_f32_cotangent): an LM head's training step ran 1.74x jnp's.
+F32_COTANGENT_EVIDENCE = tuple(EVIDENCE + name for name in ("lm_head_903e0a0.json", "lm_head_breakdown_91eb4a8+.json"))
+
+
 # ---- the table -----------------------------------------------------------------------
 ALL_POLICIES = ("auto", "kernel", "xla")
 
@@ -201,6 +210,10 @@ def _width_not_multiple_of_8(p: Problem) -> bool:
     return p.n % TMA_ROW_MULTIPLE != 0
 
 
+def _evidence(*names: str) -> tuple[str, ...]:
+    return tuple(EVIDENCE + name for name in names)
+
+
 RULES: tuple[Rule, ...] = (
     Rule("derivative-width-not-multiple-of-8", ("dense_derivative",), ALL_POLICIES, _width_not_multiple_of_8, "xla",
          "N is not a multiple of 8: the derivative kind writes act' by TMA only"),
@@ -215,30 +228,40 @@ RULES: tuple[Rule, ...] = (
     Rule("f16-accumulation", ("product",), ("auto",), _f16_accumulation_rule, "kernel",
          "accumulation=\"f16\" asked for; f16; unbatched, aligned, 16-bit output; M, N, K >= 4096; the last wave "
          "of 256x256 tiles at least half full or >= 10 waves",
-         (EVIDENCE + "f16acc_sweep_b966fdd.json",), kind=_f16_accumulation_kind),
+         _evidence("f16acc_sweep_b966fdd.json", "bench_b966fdd.json"), kind=_f16_accumulation_kind),
     Rule("fused-activation", ("dense", "dense_derivative"), ("auto",), fused_activation_wins, "kernel",
          "exact GELU with K <= 8192, tanh-GELU or SiLU with K <= 4096; unbatched, aligned, 16-bit output; M, N, "
          "K >= 4096 (exact GELU: one of M, K down to 2048 where N >= 8192)",
-         (EVIDENCE + "fused_rule_3c5a6b5.json",)),
+         _evidence("dense_rule_evidence_7b431ec+wip.json", "dense_mlp_3fef2ee.json",
+                   "dense_rule_gelu_exact_ca6abc9.json", "mlp_small_gelu_exact_rule.json")),
     Rule("saved-derivative", ("dense_derivative",), ("auto",), saved_derivative_wins, "kernel",
          "tanh-GELU or SiLU with 4096 < K <= 8192 (the fused-activation conditions otherwise): mlp's forward "
          "saves act' for the backward pass",
-         (EVIDENCE + "d8192_rule_5a29da6.json",)),
+         _evidence("ab_saved_rule_3d7dd7e.json", "d8192_rule_5a29da6.json", "d8192_breakdown_c5dbb31.json")),
     Rule("derivative-kind-not-ahead", ("dense_derivative",), ("auto",), _always, "xla",
-         "elsewhere: the layer, then XLA's pass computing act and act'"),
+         "elsewhere: the layer, then XLA's pass computing act and act'",
+         _evidence("dense_rule_evidence_7b431ec+wip.json", "d8192_rule_5a29da6.json")),
     Rule("backward-form-with-bias-gradient", ("activation_grad",), ("auto",), backward_form_wins, "kernel",
          "a bias gradient to sum; unbatched; M, N, K >= 4096; K (the model width) <= 8192",
-         (EVIDENCE + "backward_rule_kernel_6054dfd.json",)),
+         _evidence("backward_rule_kernel_6054dfd.json", "backward_rule_xla_6054dfd.json", "bias_grad_pair-3d76dbc.json",
+                   "bias_grad_step_auto-a54afde.json", "d8192_pair-67991f1.json", "d8192_backward_rule-67991f1.json")),
     Rule("backward-form-slower", ("activation_grad",), ALL_POLICIES, _always, "xla",
-         "elsewhere: the product, then XLA's elementwise pass"),
+         "elsewhere: the product, then XLA's elementwise pass",
+         _evidence("backward_form_e9a70c9.json", "bias_grad_pair-3d76dbc.json")),
     Rule("unaligned-rows", ("product", "dense"), ("auto",), _unaligned_rows_rule, "kernel",
          "a stored row is not 16-byte aligned (cuBLASLt's slow kernels); padding copies at most 1.25x the "
          "product's roofline time; >= 4 us of work; on the default kernel >= 24 blocks of B's columns or >= 54 "
          "tiles (decode-sized M: only on the small-M kind)",
-         (EVIDENCE + "unaligned_rule_72c3b75.json",)),
+         _evidence("unaligned_c_3dfe1a1.json", "unaligned_c_small_3dfe1a1.json", "unaligned_d12a449.json",
+                   "unaligned_rule_72c3b75.json", "unaligned_few_blocks_2c17bf9.json",
+                   "unaligned_few_tiles_72c3b75.json", "unaligned_tiles_boundary_72c3b75.json",
+                   "unaligned_layouts_8260248.txt", "unaligned_batched_8260248.json")),
     Rule("wide-aligned", ("product",), ("auto",), wide_aligned_win, "kernel",
          "aligned, unbatched, jnp.dot's layout, 16-bit output, M and N >= 16384, K >= 4096",
-         (EVIDENCE + "wide_aligned_7369afe_a.json",)),
+         _evidence("wide_aligned_7369afe_a.json", "wide_aligned_7369afe_b.json", "wide_default_path_92a2940.json",
+                   "wide_short_k_812999e.json")),
     Rule("default", ("product", "dense"), ("auto",), _always, "xla",
-         "elsewhere: aligned shapes tie cuBLASLt at best, small and decode-sized ones lose"),
+         "elsewhere: aligned shapes tie cuBLASLt at best, small and decode-sized ones lose",
+         _evidence("sweep_7369afe.json", "sweep_f16_27c1162.json", "sweep_bf16_997945a.json",
+                   "decode_cold_0f7942a.json")),
 )

@@ -18,43 +18,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ACTIVATIONS, F32_ACT, cuda_text, relative_error, seed_normal, weak
+from helpers import ACTIVATIONS, cuda_text, relative_error, seed_normal, weak
+from layer_cases import ERROR_FACTOR, assert_close_to_reference, f32_reference, layer_operands
 
 import jax_hopper
 from jax_hopper.primitives import dense as dense_primitive
-
-ERROR_FACTOR = 1.5
-
-
-def _operands(x_shape, n, dtype, seed=0, bias=True, residual=True):
-    k = x_shape[-1]
-    kx, kw, kb, kr = jax.random.split(jax.random.key(seed), 4)
-    x = seed_normal(kx, x_shape, dtype, k)
-    w = seed_normal(kw, (k, n), dtype, k)
-    b = jax.random.normal(kb, (n,), jnp.float32).astype(dtype) if bias else None
-    r = jax.random.normal(kr, tuple(x_shape[:-1]) + (n,), jnp.float32).astype(dtype) if residual else None
-    return x, w, b, r
-
-
-def f32_reference(x, w, b, r, activation):
-    z = jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
-    if b is not None:
-        z = z + b.astype(jnp.float32)
-    y = F32_ACT[activation](z)
-    return y if r is None else y + r.astype(jnp.float32)
-
-
-def assert_close_to_reference(out, x, w, b, r, activation):
-    ref = f32_reference(x, w, b, r, activation)
-    err, err_round = relative_error(out, ref), relative_error(ref.astype(out.dtype), ref)
-    assert err <= ERROR_FACTOR * err_round + 1e-6, f"{err:.3e} vs rounding alone {err_round:.3e}"
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("with_bias,with_residual", [(True, True), (True, False), (False, True), (False, False)])
 def test_value_is_the_fused_arithmetic(activation, dtype, with_bias, with_residual):
-    x, w, b, r = _operands((3, 40, 24), 72, dtype, bias=with_bias, residual=with_residual)
+    x, w, b, r = layer_operands((3, 40, 24), 72, dtype, bias=with_bias, residual=with_residual)
     out = jax.jit(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation=activation, residual=a[3]))(x, w, b, r)
     assert out.shape == (3, 40, 72) and out.dtype == dtype
     assert_close_to_reference(out, x, w, b, r, activation)
@@ -63,7 +38,7 @@ def test_value_is_the_fused_arithmetic(activation, dtype, with_bias, with_residu
 @pytest.mark.parametrize("activation", ["gelu_tanh", None])
 def test_a_vector_x_is_one_row_of_the_fused_layer(activation):
     """x [K] (and residual [N]): one fused launch on a single row, shaped as jnp's."""
-    x, w, b, r = _operands((40,), 72, jnp.float16)
+    x, w, b, r = layer_operands((40,), 72, jnp.float16)
 
     def layer(x, w, b, r):
         return jax_hopper.dense(x, w, b, activation=activation, residual=r)
@@ -75,7 +50,7 @@ def test_a_vector_x_is_one_row_of_the_fused_layer(activation):
 
 
 def test_kernel_policy_lowers_to_one_fused_call():
-    x, w, b, r = _operands((256, 128), 512, jnp.float16)
+    x, w, b, r = layer_operands((256, 128), 512, jnp.float16)
     with jax_hopper.dispatch("kernel"):
         text = cuda_text(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="gelu_tanh", residual=a[3]),
                         x, w, b, r)
@@ -87,7 +62,7 @@ def test_kernel_policy_lowers_to_one_fused_call():
 def test_nothing_to_fuse_is_our_plain_product_and_transposes():
     # No bias, activation or residual: the layer is the plain product (its call, its
     # rules), so jax.linear_transpose works through it in either operand.
-    x, w, _, _ = _operands((129, 72), 257, jnp.float16, bias=False, residual=False)
+    x, w, _, _ = layer_operands((129, 72), 257, jnp.float16, bias=False, residual=False)
     ct = seed_normal(jax.random.key(5), (129, 257), jnp.float16, 257)
     with jax_hopper.dispatch("kernel"):
         text = cuda_text(lambda x, w: jax_hopper.dense(x, w), x, w)
@@ -108,7 +83,7 @@ def test_affine_layer_transposes_like_jnp(operand):
     # x w + b + r is affine in each operand: jax.linear_transpose of jnp's layer transposes
     # its linear part (the rest are constants), and so must the fused layer's (the name a
     # remat policy uses is put on where the layer is differentiated, not here).
-    x, w, b, r = _operands((2, 65, 72), 136, jnp.float16)
+    x, w, b, r = layer_operands((2, 65, 72), 136, jnp.float16)
     ct = seed_normal(jax.random.key(5), (2, 65, 136), jnp.float16, 136)
     operands = {"x": x, "w": w, "bias": b, "residual": r}
 
@@ -139,7 +114,7 @@ def test_affine_layer_transposes_like_jnp(operand):
 
 
 def test_auto_policy_on_aligned_shapes_is_xla():
-    x, w, b, r = _operands((256, 128), 512, jnp.float16)
+    x, w, b, r = layer_operands((256, 128), 512, jnp.float16)
     with jax_hopper.dispatch("auto"):
         text = cuda_text(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="relu", residual=a[3]), x, w, b, r)
     assert "custom_call @jax_hopper" not in text and "dot_general" in text
@@ -147,7 +122,7 @@ def test_auto_policy_on_aligned_shapes_is_xla():
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_gradients_match_the_reference_and_run_our_kernel(activation):
-    x, w, b, r = _operands((64, 48), 80, jnp.float16, seed=1)
+    x, w, b, r = layer_operands((64, 48), 80, jnp.float16, seed=1)
 
     def loss(f):
         return lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
@@ -168,7 +143,7 @@ def test_gradients_match_the_reference_and_run_our_kernel(activation):
 def test_bias_alone_is_differentiable(activation):
     """A bias-only fine-tune (x and w fixed): the bias tangent spans all rows (it was left
     [N]-shaped: grad raised, jvp returned an [N] tangent)."""
-    x, w, b, r = _operands((32, 16), 24, jnp.float16, seed=4)
+    x, w, b, r = layer_operands((32, 16), 24, jnp.float16, seed=4)
     f = lambda bias: jax_hopper.dense(x, w, bias, activation=activation, residual=r)  # noqa: E731
     g = lambda bias: f32_reference(x, w, bias, r, activation)  # noqa: E731
     grad = jax.grad(lambda bias: jnp.sum(f(bias).astype(jnp.float32) ** 2))(b)
@@ -180,8 +155,8 @@ def test_bias_alone_is_differentiable(activation):
 
 
 def test_forward_mode():
-    x, w, b, r = _operands((32, 16), 24, jnp.bfloat16, seed=2)
-    tangents = _operands((32, 16), 24, jnp.bfloat16, seed=3)
+    x, w, b, r = layer_operands((32, 16), 24, jnp.bfloat16, seed=2)
+    tangents = layer_operands((32, 16), 24, jnp.bfloat16, seed=3)
     f = lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="silu", residual=a[3])  # noqa: E731
     g = lambda *a: f32_reference(*a, "silu")  # noqa: E731
     y, dy = jax.jvp(f, (x, w, b, r), tangents)
@@ -190,7 +165,7 @@ def test_forward_mode():
 
 
 def test_vmap_over_examples_folds_into_one_fused_launch():
-    x, w, b, r = _operands((6, 32, 64), 128, jnp.float16, seed=4)
+    x, w, b, r = layer_operands((6, 32, 64), 128, jnp.float16, seed=4)
     f = jax.vmap(lambda xi, ri: jax_hopper.dense(xi, w, b, activation="relu", residual=ri))
     assert_close_to_reference(jax.jit(f)(x, r), x, w, b, r, "relu")
     with jax_hopper.dispatch("kernel"):
@@ -199,7 +174,7 @@ def test_vmap_over_examples_folds_into_one_fused_launch():
 
 
 def test_vmap_over_weights_is_still_right():
-    x, w, b, r = _operands((32, 64), 48, jnp.float16, seed=5)
+    x, w, b, r = layer_operands((32, 64), 48, jnp.float16, seed=5)
     ws = jnp.stack([w, -w])
     out = jax.vmap(lambda wi: jax_hopper.dense(x, wi, b, activation="gelu_exact", residual=r))(ws)
     for i in range(2):
@@ -224,7 +199,7 @@ def test_a_bias_with_one_value_per_column_in_another_shape_is_fused(bias_shape):
     """jnp's x @ w + b broadcasts b; [1, N] (as TF/Keras checkpoints store biases) or
     [1, 1, N] against x [B, M, K] is the [N] bias reshaped: the fused layer takes it as
     [N], and its gradient comes back in b's shape."""
-    x, w, b, r = _operands((2, 16, 32), 24, jnp.float16, seed=8)
+    x, w, b, r = layer_operands((2, 16, 32), 24, jnp.float16, seed=8)
     b = b.reshape(bias_shape)
 
     def layer(x, w, b, r):
@@ -251,7 +226,7 @@ def test_other_broadcasts_are_jnps_own_layer(policy, bias_shape, residual_shape)
     """A bias that varies along rows or is broadcast along them, a residual not of the
     product's shape, or operands that broadcast to a larger result: jnp's
     act(x @ w + b) + r, bit for bit, in jnp's result shape, and jnp's bias gradient."""
-    x, w, _, _ = _operands((16, 32), 24, jnp.float16, seed=9, bias=False, residual=False)
+    x, w, _, _ = layer_operands((16, 32), 24, jnp.float16, seed=9, bias=False, residual=False)
     kb, kr = jax.random.split(jax.random.key(10))
     b = jax.random.normal(kb, bias_shape, jnp.float32).astype(jnp.float16)
     r = None if residual_shape is None else jax.random.normal(kr, residual_shape, jnp.float32).astype(jnp.float16)
@@ -275,7 +250,7 @@ def test_other_broadcasts_are_jnps_own_layer(policy, bias_shape, residual_shape)
 def test_scalar_bias_and_residual_are_jnps(scalar):
     """jnp's x @ w + 0.5: a Python number is weakly typed (the layer stays 16-bit), a NumPy
     scalar has its own type (an f32 one promotes the layer). jnp's layer, bit for bit."""
-    x, w, _, _ = _operands((16, 32), 24, jnp.float16, seed=11, bias=False, residual=False)
+    x, w, _, _ = layer_operands((16, 32), 24, jnp.float16, seed=11, bias=False, residual=False)
     for kwargs, theirs in ((dict(bias=scalar), lambda x, w: jax.nn.silu(x @ w + scalar)),
                            (dict(residual=scalar), lambda x, w: jax.nn.silu(x @ w) + scalar)):
         out = jax.jit(lambda x, w: jax_hopper.dense(x, w, activation="silu", **kwargs))(x, w)
@@ -298,7 +273,7 @@ def test_shapes_jnp_would_refuse_are_named(kwargs, match):
         jax_hopper.dense(x, w, **kwargs)
 
 
-def test_mismatched_inner_sizes_and_integer_operands():
+def test_mismatched_inner_sizes_and_integerlayer_operands():
     with pytest.raises(ValueError, match=r"x float16\[4, 16\], w float16\[15, 8\]"):
         jax_hopper.dense(jnp.ones((4, 16), jnp.float16), jnp.ones((15, 8), jnp.float16))
     with pytest.raises(TypeError, match="floating-point"):
@@ -339,7 +314,7 @@ def test_mixed_types_are_computed_as_jnp_would(dtype):
     rounds, then adds in f32. The layer gives jnp's answer bit for bit, even with the
     kernel forced (the f32 layer type is not the kernel's). (XLA on the CPU keeps a bf16
     x @ w + b in f32, so there only the f16 case tells the two computations apart.)"""
-    x, w, b, r = _operands((16, 32), 24, dtype, seed=6)
+    x, w, b, r = layer_operands((16, 32), 24, dtype, seed=6)
     b, r = b.astype(jnp.float32) + 0.1, r.astype(jnp.float32)  # + 0.1: values no 16-bit type holds
     with jax_hopper.dispatch("kernel"):
         out = jax.jit(lambda x, w, b, r: jax_hopper.dense(x, w, b, activation="silu", residual=r))(x, w, b, r)
@@ -352,7 +327,7 @@ def test_mixed_types_are_computed_as_jnp_would(dtype):
 def test_numpy_operands_of_a_mixed_layer_multiply_as_jnp_does():
     """NumPy f16 x and w with an f32 bias: jnp's product (f32 sums, one f16 rounding), not
     NumPy's f16 matmul on the host (f16 sums, 0.03 apart here)."""
-    x, w, b, _ = _operands((64, 512), 24, jnp.float16, seed=7, residual=False)
+    x, w, b, _ = layer_operands((64, 512), 24, jnp.float16, seed=7, residual=False)
     x_np, w_np, b = np.asarray(x), np.asarray(w), b.astype(jnp.float32)
     out = jax_hopper.dense(x_np, w_np, b)
     assert bool((out == jnp.matmul(x, w) + b).all())
@@ -381,7 +356,7 @@ def test_xla_path_is_jnps_own_computation(activation):
     bit (16-bit intermediates, which XLA fuses into cuBLASLt's epilogue)."""
     act = {None: lambda z: z, "relu": jax.nn.relu, "gelu_tanh": jax.nn.gelu,
            "gelu_exact": lambda z: jax.nn.gelu(z, approximate=False), "silu": jax.nn.silu}[activation]
-    x, w, b, r = _operands((4, 30), 40, jnp.bfloat16, seed=3)
+    x, w, b, r = layer_operands((4, 30), 40, jnp.bfloat16, seed=3)
     with jax_hopper.dispatch("xla"):
         out = jax.jit(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation=activation, residual=a[3]))(x, w, b, r)
     mine = jax.jit(lambda x, w, b, r: act(x @ w + b) + r)(x, w, b, r)  # as a user writes the layer
@@ -400,7 +375,7 @@ def test_a_layer_the_rules_leave_to_xla_on_its_shards_is_jnps(activation):
 
     if not jax_hopper.kernel_available():
         pytest.skip("without the built kernel the impl computes the reference arithmetic first")
-    x, w, b, r = _operands((48, 64), 32, jnp.float16, seed=5)
+    x, w, b, r = layer_operands((48, 64), 32, jnp.float16, seed=5)
     assert not dense_primitive.layer_runs_kernel(x.shape, w.shape, x.dtype, activation)
 
     def shard(x, w, b, r):
@@ -438,7 +413,7 @@ def test_gradient_where_only_the_activation_picked_the_kernel_is_jnps(monkeypatc
     from jax_hopper._reference import ACTIVATION_FNS
 
     monkeypatch.setattr(_dispatch, "FUSED_MIN_DIM", 16)
-    x, w, b, r = _operands((48, 64), 32, jnp.float16, seed=4)
+    x, w, b, r = layer_operands((48, 64), 32, jnp.float16, seed=4)
 
     def loss(f):
         return lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
@@ -479,7 +454,7 @@ def test_gradients_with_the_saved_derivative(activation, policy):
     derivative included) the scope changes nothing."""
     from jax_hopper import _dispatch
 
-    x, w, b, _ = _operands((64, 48), 80, jnp.float16, seed=5)
+    x, w, b, _ = layer_operands((64, 48), 80, jnp.float16, seed=5)
 
     def loss(f):
         return lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)

@@ -241,7 +241,7 @@ def test_every_problem_is_decided_and_every_rule_states_its_condition(op, policy
         problem = _problem.problem_of((m, k), (k, n), jnp.float16, jnp.float16, False, False, op=op,
                                       activation="gelu_exact" if op != "product" else None)
         assert _dispatch.decide(problem, policy).path in ("kernel", "xla")
-    repo = pathlib.Path(__file__).resolve().parents[1]
+    repo = pathlib.Path(__file__).resolve().parents[2]
     for rule in _rules.RULES:
         assert rule.path in ("kernel", "xla") and rule.condition, rule
         if rule.path == "kernel" and rule.policies == ("auto",):
@@ -509,7 +509,7 @@ def test_vmap_asks_again_only_what_the_rules_picked():
 # The benchmark's raw results for unaligned products since the session of 2026-12-04
 # 02:44 (`--l2 cold`; device code as at 8f0e228): kernel time of the kinds forced and of
 # the default path, each against jnp.dot in the same process.
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results" / "evidence"
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "evidence"
 _LAYOUT_FLAGS = {"nn": (False, False), "nt": (False, True), "tn": (True, False), "tt": (True, True)}
 _FORCED_KIND = {"kernel": "persistent", "kernel small_m": "small_m", "small_m": "small_m", "persistent": "persistent"}
 

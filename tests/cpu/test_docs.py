@@ -3,6 +3,7 @@
 - docs/performance.md and README.md's table of current numbers are what
   tools/perf_tables.py writes from docs/results/current (and each number there is its
   source record's);
+- docs/dispatch.md is what tools/dispatch_doc.py writes from the rule table;
 - README.md's Python blocks run, in order, in one namespace, on a CPU, against the
   installed package (off a Hopper GPU our ops compute through XLA's dot);
 - docs/results/evidence/README.md names exactly the files beside it.
@@ -16,12 +17,18 @@ import re
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EVIDENCE = ROOT / "docs" / "results" / "evidence"
 
 
 def test_performance_tables_are_current():
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "perf_tables.py"), "--check"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_dispatch_rules_doc_is_current(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "dispatch_doc.py"), "--check"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 

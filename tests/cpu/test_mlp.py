@@ -20,65 +20,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ULP, cuda_text, decided, full_f32, relative_error, seed_normal
-from test_dense import ACTIVATIONS, F32_ACT
+from helpers import ACTIVATIONS, F32_ACT, ULP, cuda_text, decided, full_f32, relative_error, seed_normal
+from layer_cases import (
+    ARGNUMS,
+    ERROR_FACTOR,
+    assert_as_accurate_as_jnp,
+    assert_gradients_as_accurate_as_jnp,
+    block_operands,
+    grads,
+    loss,
+    ours,
+    plain_block,
+)
 
 import jax_hopper
 from jax_hopper import _dispatch, _problem
 from jax_hopper._reference import activation_derivative, activation_grad_like_jnp, activation_grad_reference
 from jax_hopper.primitives.dense_derivative import fused_dense_with_derivative
-
-ERROR_FACTOR = 1.5
-ARGNUMS = (0, 1, 2, 3, 4)  # x, w1, b1, w2, b2
-
-
-def block_operands(lead, d, f, dtype, seed=0):
-    kx, k1, kb1, k2, kb2 = jax.random.split(jax.random.key(seed), 5)
-    x = seed_normal(kx, tuple(lead) + (d,), dtype, d)
-    w1 = seed_normal(k1, (d, f), dtype, d)
-    b1 = jax.random.normal(kb1, (f,), jnp.float32).astype(dtype)
-    w2 = seed_normal(k2, (f, d), dtype, f)
-    b2 = jax.random.normal(kb2, (d,), jnp.float32).astype(dtype)
-    return x, w1, b1, w2, b2
-
-
-def plain_block(activation):
-    """The block as a jnp user writes it (residual: x)."""
-    def block(x, w1, b1, w2, b2):
-        return F32_ACT[activation](x @ w1 + b1) @ w2 + b2 + x
-    return block
-
-
-def ours(activation):
-    def block(x, w1, b1, w2, b2):
-        return jax_hopper.mlp(x, w1, b1, w2, b2, activation=activation, residual=x)
-    return block
-
-
-def loss(block):
-    # 0.5 sum(y^2): dy = y, unit scale (a mean would push 16-bit cotangents to underflow).
-    return lambda *p: 0.5 * jnp.sum(block(*p).astype(jnp.float32) ** 2)
-
-
-def grads(block, operands, dtype=None):
-    if dtype is not None:
-        operands = [v.astype(dtype) for v in operands]
-    return jax.jit(jax.grad(loss(block), argnums=ARGNUMS))(*operands)
-
-
-def assert_as_accurate_as_jnp(what, mine, jnp_own, exact):
-    """mine's error against the f32 `exact` is at most ERROR_FACTOR times jnp's block's."""
-    err, err_jnp = relative_error(mine, exact), relative_error(jnp_own, exact)
-    assert err <= ERROR_FACTOR * err_jnp + 1e-6, f"{what}: {err:.3e} vs jnp's block {err_jnp:.3e}"
-
-
-def assert_gradients_as_accurate_as_jnp(mine, operands, activation):
-    with full_f32():
-        exact = grads(plain_block(activation), operands, jnp.float32)
-    jnp_own = grads(plain_block(activation), operands)
-    for name, g, j, e in zip(("x", "w1", "b1", "w2", "b2"), mine, jnp_own, exact):
-        assert g.shape == e.shape and g.dtype == operands[0].dtype, name
-        assert_as_accurate_as_jnp(f"d{name}", g, j, e)
 
 
 # Policy "kernel" binds the backward form (on a CPU its reference arithmetic runs).

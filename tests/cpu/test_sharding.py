@@ -590,7 +590,7 @@ DENSE_PATTERNS = {  # name: (x spec, w spec) for x [M, K] @ w [K, N]
 
 @pytest.mark.parametrize("pattern", DENSE_PATTERNS)
 def test_fused_dense_partitions_like_the_unfused_block(pattern):
-    from test_dense import assert_close_to_reference
+    from layer_cases import assert_close_to_reference
 
     sx, sw = DENSE_PATTERNS[pattern]
     mm = mesh()
@@ -1134,7 +1134,7 @@ def test_mlp_gradients_under_sharding(pattern, policy, saved):
     plain one; the backward form and the derivative form, with no partitioning rules,
     lower to XLA's (so policy "kernel" runs them only where the program stays on one
     device); `saved`: the forward saves act'(z1)."""
-    from test_mlp import ARGNUMS, assert_as_accurate_as_jnp, block_operands, loss, ours, plain_block
+    from layer_cases import ARGNUMS, assert_as_accurate_as_jnp, block_operands, loss, ours, plain_block
 
     from jax_hopper import _dispatch
 
@@ -1157,7 +1157,7 @@ def test_mlp_gradients_under_sharding(pattern, policy, saved):
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
 def test_explicit_mesh_mlp_gradients_follow_jnp(policy):
     """Explicit mesh axes: the result and gradient types are jnp's block's."""
-    from test_mlp import ARGNUMS, block_operands, loss, ours, plain_block
+    from layer_cases import ARGNUMS, block_operands, loss, ours, plain_block
 
     mm = mesh(AxisType.Explicit)
     operands = block_operands((B, M), K, N, jnp.float16, seed=61)
@@ -1177,7 +1177,7 @@ def test_explicit_mesh_mlp_gradients_follow_jnp(policy):
 def test_mlp_forward_mode_under_sharding(pattern, policy):
     """jax.jvp through jax_hopper.mlp under Auto mesh axes (its tangent map's products
     partition like plain ones), as accurate as jnp's block's jvp under the same sharding."""
-    from test_mlp import assert_as_accurate_as_jnp, block_operands, ours, plain_block
+    from layer_cases import assert_as_accurate_as_jnp, block_operands, ours, plain_block
 
     mm = mesh()
     x_s, w1_s, w2_s = MLP_PATTERNS[pattern]
@@ -1203,7 +1203,7 @@ def test_mlp_forward_mode_under_sharding(pattern, policy):
 def test_mlp_forward_mode_inside_shard_map(policy):
     """jvp inside shard_map with x split and the weights replicated: the tangent varies
     over x's axis like the value (its type is the value's)."""
-    from test_mlp import assert_as_accurate_as_jnp
+    from layer_cases import assert_as_accurate_as_jnp
 
     mm = mesh()
     keys = jax.random.split(jax.random.key(64), 10)
@@ -1235,7 +1235,7 @@ def test_mlp_forward_mode_inside_shard_map(policy):
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
 def test_explicit_mesh_mlp_forward_mode_follows_jnp(policy):
     """Explicit mesh axes: the jvp's value and tangent have jnp's block's types."""
-    from test_mlp import block_operands, ours, plain_block
+    from layer_cases import block_operands, ours, plain_block
 
     mm = mesh(AxisType.Explicit)
     operands = block_operands((B, M), K, N, jnp.float16, seed=65)
@@ -1261,7 +1261,7 @@ def test_explicit_mesh_mlp_cotangents_take_their_operands_types(specs):
     """Under explicit mesh axes each cotangent has its operand's type (jax requires it):
     the residual's is dy and b2's a sum of dy, both of y's sharding, resharded to the
     operand's (jax refused the gradient with a type error before)."""
-    from test_mlp import block_operands
+    from layer_cases import block_operands
 
     mm = mesh(AxisType.Explicit)
     x, w1, b1, w2, b2 = block_operands((M,), K, N, jnp.float16, seed=67)

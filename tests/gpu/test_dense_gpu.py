@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import run_into_poison
-from test_dense import ACTIVATIONS, _operands, assert_close_to_reference
+from helpers import ACTIVATIONS, run_into_poison
+from layer_cases import assert_close_to_reference, layer_operands
 
 import jax_hopper
 
@@ -30,7 +30,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_fused_kernel_matches_the_f32_reference(hopper, shape, dtype, activation):
     m, n, k = shape
-    x, w, b, r = _operands((m, k), n, dtype, seed=m + n)
+    x, w, b, r = layer_operands((m, k), n, dtype, seed=m + n)
 
     def f(x, w, b, r):
         with jax_hopper.dispatch("kernel"):
@@ -43,7 +43,7 @@ def test_fused_kernel_matches_the_f32_reference(hopper, shape, dtype, activation
 
 @pytest.mark.parametrize("with_bias,with_residual", [(False, False), (True, False), (False, True)])
 def test_optional_operands(hopper, with_bias, with_residual):
-    x, w, b, r = _operands((300, 520), 264, jnp.float16, bias=with_bias, residual=with_residual)
+    x, w, b, r = layer_operands((300, 520), 264, jnp.float16, bias=with_bias, residual=with_residual)
 
     def f(x, w, b, r):
         with jax_hopper.dispatch("kernel"):
@@ -53,7 +53,7 @@ def test_optional_operands(hopper, with_bias, with_residual):
 
 
 def test_compiled_program_is_one_fused_call(hopper):
-    x, w, b, r = _operands((512, 256), 512, jnp.bfloat16)
+    x, w, b, r = layer_operands((512, 256), 512, jnp.bfloat16)
     with jax_hopper.dispatch("kernel"):
         hlo = jax.jit(lambda *a: jax_hopper.dense(a[0], a[1], a[2], activation="silu", residual=a[3])).lower(
             x, w, b, r).compile().as_text()

@@ -15,9 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ULP, relative_error, run_into_poison, run_into_poisons, seed_normal
-from test_dense import ACTIVATIONS, ERROR_FACTOR, F32_ACT
-from test_mlp import ARGNUMS, assert_gradients_as_accurate_as_jnp, block_operands, grads, loss, ours
+from helpers import ACTIVATIONS, F32_ACT, ULP, relative_error, run_into_poison, run_into_poisons, seed_normal
+from layer_cases import (
+    ARGNUMS,
+    ERROR_FACTOR,
+    assert_gradients_as_accurate_as_jnp,
+    block_operands,
+    grads,
+    loss,
+    ours,
+)
 
 import jax_hopper
 from jax_hopper import _dispatch
