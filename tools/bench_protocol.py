@@ -69,6 +69,8 @@ class Protocol:
             raise ValueError(f"kernel_time_l2 must be 'warm' or 'cold', got {self.kernel_time_l2!r}")
         if self.kernel_samples < 1 or self.sustained_rounds < 1 or self.sustained_settle_rounds < 0:
             raise ValueError(f"a protocol needs at least one sample and one round: {self}")
+        if not self.sustained_seconds > 0:
+            raise ValueError(f"sustained_seconds must be positive, got {self.sustained_seconds}")
 
     @property
     def cold_l2(self) -> bool:
