@@ -60,7 +60,7 @@ run() {  # run NAME TREE: install TREE, then (patched variants) its tests, then 
     echo "$name tests: exit $rc, $(grep -E '[0-9]+ (passed|failed)' "$LOG/tests_$name.log" | tail -1)"
     [ $rc -eq 0 ] || { grep -E "^(FAILED|ERROR)" "$LOG/tests_$name.log" | head; return 1; }
   fi
-  (cd /tmp && timeout "${AB_BENCH_TIMEOUT:-240}" python3 -m jax_hopper.bench "$@" --json "$LOG/bench_$name.json") \
+  (cd /tmp && timeout "${AB_BENCH_TIMEOUT:-240}" python3 "$REPO/tools/bench.py" "$@" --json "$LOG/bench_$name.json") \
     >"$LOG/bench_$name.log" 2>"$LOG/bench_$name.err"
   echo "== $name"
   sed -n '/^summary/,$p' "$LOG/bench_$name.log" | grep -v '^-' | tail -n +2

@@ -77,7 +77,8 @@ if [ -n "${FUZZ_SECONDS:-}" ]; then
   [ "$fuzz_rc" = 0 ] || { echo "fuzz: exit $fuzz_rc (log: fuzz.log)"; tail -5 "$LOG/fuzz.log"; rc=1; }
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  timeout 900 python3 -m jax_hopper.bench ${BENCH_ARGS:-} --json "$LOG/bench.json" 2>"$LOG/bench.err" |
+  timeout 900 python3 "$REPO/tools/bench.py" ${BENCH_ARGS:-} ${COMMIT:+--commit "$COMMIT"} --json "$LOG/bench.json" \
+    2>"$LOG/bench.err" |
     tee "$LOG/bench.log"
 fi
 exit $rc

@@ -28,7 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_hopper  # noqa: E402
-from jax_hopper._fused import fused_activation_grad, fused_dense_with_derivative  # noqa: E402
+from jax_hopper.primitives.dense_derivative import fused_dense_with_derivative  # noqa: E402
+from jax_hopper.primitives.dense_grad import fused_activation_grad  # noqa: E402
 
 activation = sys.argv[1] if len(sys.argv) > 1 else "gelu_exact"
 shape = sys.argv[2] if len(sys.argv) > 2 else "8192x4096x16384"

@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_hopper._primitive import gemm  # noqa: E402
+from jax_hopper.primitives.gemm import gemm  # noqa: E402
 
 LAUNCHES = 2  # per function inside the window: the second shows a warm L2/TLB
 
