@@ -38,7 +38,7 @@ class Protocol:
     sustained_rounds: int = 4
     # Untimed rounds before the timed ones. The kernel-time samples leave the chip cool and
     # at its top clock; the first sustained loop after them runs 1.2-3.1% faster than the
-    # same dot in later rounds (scripts/probe_sustained_order.py: 1965-1980 MHz, 47-54 C
+    # same dot in later rounds (tools/probe_sustained_order.py: 1965-1980 MHz, 47-54 C
     # before it, 1395-1470 MHz, 57-66 C before the rest), and the pre-heat alone is too
     # short to settle it. Without a settling round that loop is always the first
     # variant's, and the dispatcher's XLA path reads ~1% faster than jnp.dot, the same dot.
@@ -120,7 +120,7 @@ def input_set_count(a_shape, b_shape, itemsize, protocol: Protocol) -> int:
 # One program for every variant; a reduction, so nothing but one word is written. Reads
 # only: a scrub that rewrote its buffer would leave L2 full of dirty lines, written back
 # to DRAM under the timed kernel (16x8192x8192: 42.3 us against 36 us end to end in
-# scripts/probe_timeline.cu, whose scrub reads; ncu's flush: 39.2).
+# tools/decode_timeline.cu, whose scrub reads; ncu's flush: 39.2).
 read_l2_scrub = jax.jit(lambda buf: jax.lax.reduce(buf, jnp.uint32(0), jax.lax.bitwise_xor, (0,)))
 
 

@@ -714,7 +714,7 @@ def test_unevenly_sharded_contraction_is_gathered_not_summed_with_padding():
 def test_explicit_product_whose_plan_jax_cannot_type_is_jaxs(policy):
     """Typing the plan's reshape of b [261, 332@y, 1, 5] raised an IndexError in jax 0.10
     (not the ShardingTypeError _explicit_reshape_refused caught), so dot_general raised
-    where lax.dot_general computes (found by scripts/fuzz_gpu.py); now jax computes it."""
+    where lax.dot_general computes (found by tests/fuzz.py); now jax computes it."""
     mm = mesh(AxisType.Explicit)
     dims = (((0, 3), (0, 3)), ((), ()))
     with _use(mm):
@@ -1332,7 +1332,7 @@ def test_a_broadcast_matmul_left_to_xla_is_jnps_program(policy):
     """matmul(a [M, K], b [B, K, N]) that the dispatcher leaves to XLA is jnp.matmul's own
     program: with K sharded on b alone jnp's gathers K; the broadcast form (a copied to
     [B, M, K], a batched dot) was partitioned into 16-bit partial products summed by an
-    all-reduce, twice jnp's error in bf16 (found by scripts/fuzz_gpu.py)."""
+    all-reduce, twice jnp's error in bf16 (found by tests/fuzz.py)."""
     mm = mesh()
     ka, kb = jax.random.split(jax.random.key(202))
     a = _random(ka, (M, 2 * K), jnp.bfloat16)

@@ -1,10 +1,10 @@
 """A wrong answer from XLA's SPMD partitioner with no jax_hopper in it (found by
-scripts/fuzz_gpu.py, seed 101 case 1844, where it made jax's own result and the f32 reference
+tests/fuzz.py, seed 101 case 1844, where it made jax's own result and the f32 reference
 wrong alike): the gradient of a dot_general under vmap of lax.scan, one operand and the
 cotangent sharded, differs from the same program on one device by the data's scale.
 
-    python scripts/repro_xla_scan_gradient.py            # 8 CPU devices (a 4x2 mesh)
-    python scripts/repro_xla_scan_gradient.py --gpu      # the machine's own devices (n/2 x 2)
+    python tools/repro_xla_scan_gradient.py            # 8 CPU devices (a 4x2 mesh)
+    python tools/repro_xla_scan_gradient.py --gpu      # the machine's own devices (n/2 x 2)
 
 Seen with jax 0.10.2 and 0.11.2 on 8 CPU devices under Shardy, jax's default partitioner
 (5.37 off, results up to 10.8; 7.93 on a 2x2 mesh of 4 CPU devices; a 1x2 or 2x1 mesh

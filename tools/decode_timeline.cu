@@ -4,8 +4,8 @@
 // to write back under the kernel), and prints per-event spreads relative to the first
 // CTA's start, plus the launch's CUDA-event time. Not part of the library.
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda --expt-relaxed-constexpr \
-//     scripts/probe_timeline.cu cuda/hopper/tensor_map.cc -o /tmp/probe_timeline
-//   /tmp/probe_timeline 16x4096x4096 16x8192x8192
+//     tools/decode_timeline.cu cuda/hopper/tensor_map.cc -o /tmp/decode_timeline
+//   /tmp/decode_timeline 16x4096x4096 16x8192x8192
 // (-DPROBE_STAGES=N builds the kind with an N-stage ring instead of the library's 4.)
 #define JAX_HOPPER_TIMELINE
 #include <cuda_fp16.h>

@@ -1,8 +1,8 @@
 """One steady-state launch of each of a layer's kernels, for Nsight Compute
-(scripts/ncu_fused.sh runs it), e.g.
+(tools/ncu_fused.sh runs it), e.g.
 
     ncu --profile-from-start off --section WarpStateStats --section SourceCounters \\
-        -o /tmp/fused python3 scripts/profile_fused.py gelu_exact 8192x8192x32768 plain,both
+        -o /tmp/fused python3 tools/profile_fused.py gelu_exact 8192x8192x32768 plain,both
 
 Arguments: activation, shape TOKENSxDMODELxDFF (default the MLP benchmark's
 8192x4096x16384), forms (comma-separated, default plain,act,both):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Nsight Compute over scripts/profile_gemm.py's steady-state window, with a metric preset:
-#   bash scripts/ncu_gemm.sh clock --kernel persistent 8192x8192x8192 4096x4096x4096
-#   bash scripts/ncu_gemm.sh l2 --kernel persistent,persistent_basic,v5 8192x8192x8192
-#   bash scripts/ncu_gemm.sh query 'lrc__|lts__t_requests'   # metric names on this GPU
-#   NCU_METRICS=a.sum,b.sum bash scripts/ncu_gemm.sh custom --kernel persistent 8192x8192x8192
+# Nsight Compute over tools/profile_gemm.py's steady-state window, with a metric preset:
+#   bash tools/ncu_gemm.sh clock --kernel persistent 8192x8192x8192 4096x4096x4096
+#   bash tools/ncu_gemm.sh l2 --kernel persistent,persistent_basic,v5 8192x8192x8192
+#   bash tools/ncu_gemm.sh query 'lrc__|lts__t_requests'   # metric names on this GPU
+#   NCU_METRICS=a.sum,b.sum bash tools/ncu_gemm.sh custom --kernel persistent 8192x8192x8192
 # clock: duration, SM clock, active cycles (min/avg/max), tensor-pipe use, L2 and DRAM
 # bytes, launch shape (what the session log's cuBLASLt comparison used: BENCHMARKS.md in git history); l2: where the L2
 # traffic comes from (SM reads / writes, the other L2 partition via the fabric, hits).
@@ -26,7 +26,7 @@ esac
 log=${NCU_LOG:-/tmp/ncu_gemm.log}
 cd /tmp || exit 1  # the installed package, not the source tree
 timeout "${NCU_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none --metrics "$metrics" \
-  python3 "$REPO/scripts/profile_gemm.py" "$@" >"$log" 2>&1
+  python3 "$REPO/tools/profile_gemm.py" "$@" >"$log" 2>&1
 rc=$?
 grep -E "^  [a-zA-Z_]|^    [a-z]" "$log" | grep -v -e Warning -e "Section:" -e "Metric Name" | sed 's/  \+/ /g' | cut -c1-150
 grep -E "\|.*\|_F" "$log"

@@ -5,8 +5,8 @@
 # same tests) in its own process. Ratios are against jnp in the same process, so the
 # variants compare through them even if the machine drifts between runs; REPEAT=2 runs
 # A, B, ..., A, B, ... to show the drift.
-#   bash scripts/ab_bench.sh OUTDIR PATCH [PATCH ...] -- BENCH_ARGS...
-#   e.g. bash scripts/ab_bench.sh $OUT /tmp/inline.patch -- --shapes= --no-torch \
+#   bash tools/ab_bench.sh OUTDIR PATCH [PATCH ...] -- BENCH_ARGS...
+#   e.g. bash tools/ab_bench.sh $OUT /tmp/inline.patch -- --shapes= --no-torch \
 #          --mlp 8192x4096x16384 --mlp-activations gelu_exact --mlp-steps "dense1 act and act'"
 # AB_TESTS (paths relative to the repository, e.g. tests/test_mlp_gpu.py) and AB_K (a -k
 # expression) run on every patched variant before its benchmark, with AB_TEST_XLA_FLAGS

@@ -1,7 +1,7 @@
-"""Summarizes the per-SASS-line stall samples that scripts/ncu_fused.sh leaves
+"""Summarizes the per-SASS-line stall samples that tools/ncu_fused.sh leaves
 (source.csv.gz: `ncu --page source --csv --print-source sass`), kernel by kernel.
 
-    python3 scripts/ncu_source_summary.py OUT/source.csv.gz [TOP] [KERNEL LO HI]
+    python3 tools/ncu_source_summary.py OUT/source.csv.gz [TOP] [KERNEL LO HI]
 
 Per kernel: samples by execution-count class. A persistent kernel's instructions fall
 into classes by how often they run: once per K tile per warp (the mainloop, ~1e6 at

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# compute-sanitizer's four tools (SANITIZE_TOOLS) over scripts/sanitize_products.py, checking
+# compute-sanitizer's four tools (SANITIZE_TOOLS) over tools/sanitize_products.py, checking
 # only our kernels (kns=gemm_kernel; initcheck: all); one log per tool in $1 (default $OUT). Run after
-# installing the package (scripts/device_check.sh does).
+# installing the package (tools/device_check.sh does).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${1:-${OUT:-$REPO/device-out}}
@@ -16,7 +16,7 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
   filter=(--kernel-name kns=gemm_kernel)
   [ "$tool" = initcheck ] && filter=()
   timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool "$tool" "${filter[@]}" \
-    --error-exitcode 9 python3 "$REPO/scripts/sanitize_products.py" >"$LOG/sanitize_$tool.log" 2>&1
+    --error-exitcode 9 python3 "$REPO/tools/sanitize_products.py" >"$LOG/sanitize_$tool.log" 2>&1
   rc=$?
   echo "compute-sanitizer $tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitize_$tool.log" | tail -1);" \
     "printed reports in our kernels: $(grep -c 'at void jax_hopper::' "$LOG/sanitize_$tool.log")"

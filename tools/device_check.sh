@@ -9,7 +9,7 @@
 # --xla_gpu_autotune_level=0: the jnp references then skip XLA's GEMM autotuning, which
 # is compile time, not correctness; never for the benchmark). Exits non-zero if a build,
 # smoke test, sanitizer tool or test fails. FUZZ_SECONDS=N adds N seconds of the
-# differential fuzz (scripts/fuzz_gpu.py, seed FUZZ_SEED, default 0) after the tests.
+# differential fuzz (tests/fuzz.py, seed FUZZ_SEED, default 0) after the tests.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${1:-${OUT:-$REPO/device-out}}
@@ -33,13 +33,13 @@ echo "build: $(($(date +%s) - start)) s"
 grep -E "ptxas info *: Used|spill|C7517|C7520" "$LOG/build.log" | sort | uniq -c
 
 cd /tmp || exit 1  # import the installed package, not the source tree
-if ! timeout 120 python3 "$REPO/scripts/smoke_gpu.py" 2>&1 | tee "$LOG/smoke.log"; then
+if ! timeout 120 python3 "$REPO/tools/smoke_gpu.py" 2>&1 | tee "$LOG/smoke.log"; then
   echo "smoke test failed or hung: stopping"
   exit 1
 fi
 rc=0
 if [ "${SANITIZE:-0}" = 1 ]; then
-  bash "$REPO/scripts/sanitize.sh" "$LOG" || rc=1
+  bash "$REPO/tools/sanitize.sh" "$LOG" || rc=1
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # One pytest process per test file: a crash in XLA (an abort) then loses one file, not
@@ -70,7 +70,7 @@ fi
 if [ -n "${FUZZ_SECONDS:-}" ]; then
   # Its own budget plus a margin for the case running when it ends (a hang: the case
   # after the log's last, reproducible with --only).
-  XLA_FLAGS="${TEST_XLA_FLAGS:-${XLA_FLAGS:-}}" timeout $((FUZZ_SECONDS + 120)) python3 "$REPO/scripts/fuzz_gpu.py" --seconds "$FUZZ_SECONDS" \
+  XLA_FLAGS="${TEST_XLA_FLAGS:-${XLA_FLAGS:-}}" timeout $((FUZZ_SECONDS + 120)) python3 "$REPO/tests/fuzz.py" --seconds "$FUZZ_SECONDS" \
     --seed "${FUZZ_SEED:-0}" --json "$LOG/fuzz.json" >"$LOG/fuzz.log" 2>&1
   fuzz_rc=$?
   grep -E "FAIL|cases \(" "$LOG/fuzz.log" | tail -40

@@ -5,7 +5,7 @@ kernels then); only the launches after that sit inside the profiler window
 (cuProfilerStart / cuProfilerStop), so run ncu with --profile-from-start off, e.g.
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight \
-        --section LaunchStats python3 scripts/profile_gemm.py --kernel persistent 8192x8192x8192
+        --section LaunchStats python3 tools/profile_gemm.py --kernel persistent 8192x8192x8192
 
 and the report holds exactly the kernels that run in steady state: cuBLASLt's pick (its
 name gives tile, stages and cluster) and ours. Options: --kernel KIND[,KIND...] (default
