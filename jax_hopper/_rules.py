@@ -32,9 +32,9 @@ SMALL_M_UNALIGNED_WIDE_MIN_K = 2047
 SMALL_M_UNALIGNED_WIDE_MIN_TILES = 160
 SMALL_M_TILE_M, SMALL_M_TILE_N = 64, 128  # cuda/gemm/config.cuh
 KIND_EVIDENCE = tuple(EVIDENCE + name for name in (
-    "small_m_decode_97e975d.json", "decode_splitk_oneshot_b99a292_w1.json", "unaligned_small_m_128_72c3b75.json",
-    "unaligned_small_m_256_61d2284.json", "unaligned_small_m_wave_61d2284.json", "unaligned_small_m_rows_2c17bf9.json",
-    "unaligned_small_m_wide_570ecb0.json"))
+    "small_m_decode.json", "decode_splitk_oneshot_w1.json", "unaligned_small_m_128.json",
+    "unaligned_small_m_256.json", "unaligned_small_m_wave.json", "unaligned_small_m_rows.json",
+    "unaligned_small_m_wide.json"))
 DEFAULT_TILE_M, DEFAULT_TILE_N = 128, 256
 
 
@@ -167,7 +167,7 @@ def backward_form_wins(p: Problem) -> bool:
 
 # An f32 result of f16 operands left to XLA's dot keeps our derivative rule
 # (primitives/gemm.py: _rounds_f32_cotangent): an LM head's training step ran 1.74x jnp's.
-F32_COTANGENT_EVIDENCE = tuple(EVIDENCE + name for name in ("lm_head_903e0a0.json", "lm_head_breakdown_91eb4a8+.json"))
+F32_COTANGENT_EVIDENCE = tuple(EVIDENCE + name for name in ("lm_head.json", "lm_head_breakdown.json"))
 
 
 # ---- the table -----------------------------------------------------------------------
@@ -228,40 +228,40 @@ RULES: tuple[Rule, ...] = (
     Rule("f16-accumulation", ("product",), ("auto",), _f16_accumulation_rule, "kernel",
          "accumulation=\"f16\" asked for; f16; unbatched, aligned, 16-bit output; M, N, K >= 4096; the last wave "
          "of 256x256 tiles at least half full or >= 10 waves",
-         _evidence("f16acc_sweep_b966fdd.json", "bench_b966fdd.json"), kind=_f16_accumulation_kind),
+         _evidence("f16acc_sweep.json", "bench.json"), kind=_f16_accumulation_kind),
     Rule("fused-activation", ("dense", "dense_derivative"), ("auto",), fused_activation_wins, "kernel",
          "exact GELU with K <= 8192, tanh-GELU or SiLU with K <= 4096; unbatched, aligned, 16-bit output; M, N, "
          "K >= 4096 (exact GELU: one of M, K down to 2048 where N >= 8192)",
-         _evidence("dense_rule_evidence_7b431ec+wip.json", "dense_mlp_3fef2ee.json",
-                   "dense_rule_gelu_exact_ca6abc9.json", "mlp_small_gelu_exact_rule.json")),
+         _evidence("dense_rule_evidence.json", "dense_mlp.json",
+                   "dense_rule_gelu_exact.json", "mlp_small_gelu_exact_rule.json")),
     Rule("saved-derivative", ("dense_derivative",), ("auto",), saved_derivative_wins, "kernel",
          "tanh-GELU or SiLU with 4096 < K <= 8192 (the fused-activation conditions otherwise): mlp's forward "
          "saves act' for the backward pass",
-         _evidence("ab_saved_rule_3d7dd7e.json", "d8192_rule_5a29da6.json", "d8192_breakdown_c5dbb31.json")),
+         _evidence("ab_saved_rule.json", "d8192_rule.json", "d8192_breakdown.json")),
     Rule("derivative-kind-not-ahead", ("dense_derivative",), ("auto",), _always, "xla",
          "elsewhere: the layer, then XLA's pass computing act and act'",
-         _evidence("dense_rule_evidence_7b431ec+wip.json", "d8192_rule_5a29da6.json")),
+         _evidence("dense_rule_evidence.json", "d8192_rule.json")),
     Rule("backward-form-with-bias-gradient", ("activation_grad",), ("auto",), backward_form_wins, "kernel",
          "a bias gradient to sum; unbatched; M, N, K >= 4096; K (the model width) <= 8192",
-         _evidence("backward_rule_kernel_6054dfd.json", "backward_rule_xla_6054dfd.json", "bias_grad_pair-3d76dbc.json",
-                   "bias_grad_step_auto-a54afde.json", "d8192_pair-67991f1.json", "d8192_backward_rule-67991f1.json")),
+         _evidence("backward_rule_kernel.json", "backward_rule_xla.json", "bias_grad_pair.json",
+                   "bias_grad_step_auto.json", "d8192_pair.json", "d8192_backward_rule.json")),
     Rule("backward-form-slower", ("activation_grad",), ALL_POLICIES, _always, "xla",
          "elsewhere: the product, then XLA's elementwise pass",
-         _evidence("backward_form_e9a70c9.json", "bias_grad_pair-3d76dbc.json")),
+         _evidence("backward_form.json", "bias_grad_pair.json")),
     Rule("unaligned-rows", ("product", "dense"), ("auto",), _unaligned_rows_rule, "kernel",
          "a stored row is not 16-byte aligned (cuBLASLt's slow kernels); padding copies at most 1.25x the "
          "product's roofline time; >= 4 us of work; on the default kernel >= 24 blocks of B's columns or >= 54 "
          "tiles (decode-sized M: only on the small-M kind)",
-         _evidence("unaligned_c_3dfe1a1.json", "unaligned_c_small_3dfe1a1.json", "unaligned_d12a449.json",
-                   "unaligned_rule_72c3b75.json", "unaligned_few_blocks_2c17bf9.json",
-                   "unaligned_few_tiles_72c3b75.json", "unaligned_tiles_boundary_72c3b75.json",
-                   "unaligned_layouts_8260248.txt", "unaligned_batched_8260248.json")),
+         _evidence("unaligned_c.json", "unaligned_c_small.json", "unaligned_1.json",
+                   "unaligned_rule.json", "unaligned_few_blocks.json",
+                   "unaligned_few_tiles.json", "unaligned_tiles_boundary.json",
+                   "unaligned_layouts.txt", "unaligned_batched.json")),
     Rule("wide-aligned", ("product",), ("auto",), wide_aligned_win, "kernel",
          "aligned, unbatched, jnp.dot's layout, 16-bit output, M and N >= 16384, K >= 4096",
-         _evidence("wide_aligned_7369afe_a.json", "wide_aligned_7369afe_b.json", "wide_default_path_92a2940.json",
-                   "wide_short_k_812999e.json")),
+         _evidence("wide_aligned_a.json", "wide_aligned_b.json", "wide_default_path.json",
+                   "wide_short_k.json")),
     Rule("default", ("product", "dense"), ("auto",), _always, "xla",
          "elsewhere: aligned shapes tie cuBLASLt at best, small and decode-sized ones lose",
-         _evidence("sweep_7369afe.json", "sweep_f16_27c1162.json", "sweep_bf16_997945a.json",
-                   "decode_cold_0f7942a.json")),
+         _evidence("sweep_2.json", "sweep_f16.json", "sweep_bf16.json",
+                   "decode_cold_2.json")),
 )

@@ -3,7 +3,6 @@ every kernel kind, f16/bf16, 16-bit and f32 outputs, transposed layouts, a batch
 
 import jax
 import jax.numpy as jnp
-
 from jax_hopper._primitive import gemm
 
 CASES = [  # (kernel, dtype, batch, m, n, k, transpose_a, transpose_b, out_dtype)

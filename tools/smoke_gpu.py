@@ -5,7 +5,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-
 from jax_hopper._primitive import gemm
 
 ok = True

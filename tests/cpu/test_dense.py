@@ -409,10 +409,10 @@ def test_gradient_where_only_the_activation_picked_the_kernel_is_jnps(monkeypatc
     """The fused-activation rule picks our kernel for the forward value; its gradient
     cannot use the fused activation, and the plain product is XLA's: the derivative is
     jnp's own, bit for bit. (The rule's size threshold is lowered to reach it here.)"""
-    from jax_hopper import _dispatch
+    from jax_hopper import _rules
     from jax_hopper._reference import ACTIVATION_FNS
 
-    monkeypatch.setattr(_dispatch, "FUSED_MIN_DIM", 16)
+    monkeypatch.setattr(_rules, "FUSED_MIN_DIM", 16)
     x, w, b, r = layer_operands((48, 64), 32, jnp.float16, seed=4)
 
     def loss(f):

@@ -43,8 +43,8 @@ def _path(m, n, k, policy="auto", accumulation="f16"):
         return jax_hopper.dispatch_path(a, b, DIMS, accumulation=accumulation)
 
 
-# Shapes measured on the H200 (docs/results/evidence/f16acc_sweep_b966fdd.json and
-# bench_b966fdd.json): where the f16-accumulating kernel beat cuBLASLt, and where it did not.
+# Shapes measured on the H200 (docs/results/evidence/f16acc_sweep.json and
+# bench.json): where the f16-accumulating kernel beat cuBLASLt, and where it did not.
 F16_FASTER = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 16384, 4096), (16384, 16384, 16384),
               (4096, 14336, 4096), (4096, 4096, 14336)]
 F16_SLOWER = [(6144, 6144, 6144), (3000, 5000, 7000), (8192, 8192, 1024), (2048, 2048, 2048), (256, 8192, 8192)]
