@@ -22,7 +22,7 @@ import pytest
 
 from jax_hopper import _ffi
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 # The smallest protocol that still takes every path: one sample, a mirrored pair of rounds.
 FAST = ["--no-torch", "--samples", "1", "--rounds", "2", "--sustained-seconds", "0.001"]
 
@@ -34,6 +34,7 @@ def module_state():
             for m in (bench, bench_cases, bench_protocol, bench_report)}
 
 
+@pytest.mark.slow
 def test_bench_writes_rows_for_every_case_and_variant(tmp_path):
     out = tmp_path / "bench.json"
     tp = len(jax.devices()) >= 2  # the tensor-parallel block needs two devices of the default platform

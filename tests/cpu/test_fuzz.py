@@ -32,7 +32,7 @@ def test_the_families_are_these(fuzz):
     assert list(fuzz.FAMILIES) == FAMILIES
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f if f == "kind" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def test_each_family_runs_clean(fuzz, family, tmp_path):
     if family in ("sharded", "explicit") and len(jax.devices()) < 2:
         pytest.skip(f"the {family} family needs two or more devices of the default platform")
@@ -45,6 +45,7 @@ def test_each_family_runs_clean(fuzz, family, tmp_path):
 @pytest.mark.parametrize("family,ops", [("kind", ["gemm"]), ("dot", ["dot_general"]), ("matmul", ["matmul", "dot"]),
                                         ("dense", ["dense"]), ("mlp", ["mlp"]),
                                         ("transforms", ["dot_general", "dense", "mlp"])])
+@pytest.mark.slow
 def test_a_wrong_element_fails_its_case(fuzz, family, ops, monkeypatch, tmp_path):
     """One element of every result off by 5% of the result's largest (a wrong tile, row or
     stale element is off by the whole scale): every case fails."""
@@ -64,6 +65,7 @@ def test_a_wrong_element_fails_its_case(fuzz, family, ops, monkeypatch, tmp_path
     assert len(cases) == 4 and not any(c["ok"] for c in cases), [c["detail"] for c in cases]
 
 
+@pytest.mark.slow
 def test_a_wrong_cotangent_fails_the_vjp_family(fuzz, monkeypatch, tmp_path):
     """The derivative checks too: the product's first cotangent off by 5% of its largest
     element in one place (a custom_vjp around dot_general) fails every vjp case."""
@@ -142,6 +144,7 @@ def _wrong(op, *, value, derivative, second_order=False):
     return wrong
 
 
+@pytest.mark.slow
 def test_a_wrong_mlp_derivative_fails_every_mlp_case(fuzz, monkeypatch, tmp_path):
     """mlp's value right, its derivatives wrong (reverse and forward mode, every subset of
     moving operands the cases draw): every case fails."""
@@ -157,6 +160,7 @@ def test_a_wrong_mlp_derivative_fails_every_mlp_case(fuzz, monkeypatch, tmp_path
 PUBLIC_OPS = ["dot_general", "matmul", "dot", "dense", "mlp"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["sharded", "explicit"])
 def test_a_wrong_op_fails_the_mesh_families(fuzz, family, monkeypatch, tmp_path):
     """On a mesh, every public op with a wrong element and a wrong derivative: every case
@@ -176,6 +180,7 @@ def test_a_wrong_op_fails_the_mesh_families(fuzz, family, monkeypatch, tmp_path)
         [(c["what"], c["detail"]) for c in checked]
 
 
+@pytest.mark.slow
 def test_a_wrong_derivative_fails_the_transformed_derivative_cases(fuzz, monkeypatch, tmp_path):
     """Under vmap and scan: with every op's derivative wrong (values right), the transforms
     family's derivative cases (reverse, forward, forward-over-reverse) fail and the value
@@ -191,6 +196,7 @@ def test_a_wrong_derivative_fails_the_transformed_derivative_cases(fuzz, monkeyp
     assert all(c["ok"] != (c in derivative) for c in cases), [(c["what"], c["detail"]) for c in cases]
 
 
+@pytest.mark.slow
 def test_a_wrong_second_derivative_fails_the_forward_over_reverse_cases(fuzz, monkeypatch, tmp_path):
     """Every op right at first order and wrong at second: the transforms family's
     forward-over-reverse cases fail (their tangents of the cotangents are checked), the
@@ -294,6 +300,7 @@ def test_the_squared_model_under_scan_in_forward_over_reverse(fuzz):
         np.testing.assert_allclose(np.asarray(s).reshape(p.shape), np.asarray(p), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_first_layer_gradients_20_percent_off_fail_the_mlp_cases(fuzz, monkeypatch, tmp_path):
     """dx, dw1 and db1 scaled by 1.2 (y, dw2, db2 right): every reverse-mode mlp case that
     differentiates one of them fails by its values, relu's included, whose flipping
