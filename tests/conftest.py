@@ -22,6 +22,10 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or os.curdir).resolve() != 
 # The tests exercise our kernel, so they force its path past the dispatcher (also in
 # the subprocesses some tests start); the dispatcher's own tests opt back into "auto".
 os.environ["JAX_HOPPER_DISPATCH"] = "kernel"
+# pytest-xdist workers share the machine's GPU: each takes memory as it goes instead of
+# preallocating most of it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 
