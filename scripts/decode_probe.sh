@@ -14,6 +14,8 @@ SETTINGS=${SETTINGS:-default}
 SHAPES=${SHAPES:-"16x8192x8192 16x4096x4096 16x4096x14336"}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "$OUT/gpu.txt" 2>&1
+# gemm.h includes the kinds generated from jax_hopper/_kernels.py (CMake does this for the library).
+GEN=$(mktemp -d) && mkdir -p "$GEN/gemm" && python3 jax_hopper/_kernels.py header "$GEN/gemm/kernel_kinds.h" || exit 1
 builds=()
 for p in $PATCHES; do
   name=$(basename "$p" .patch)
@@ -28,7 +30,7 @@ for p in $PATCHES; do
   for s in $STAGES; do
     bin="/tmp/probe_timeline_${name}_$s"
     builds+=("$name stages=$s:$bin")
-    nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I"$src" --expt-relaxed-constexpr -DPROBE_STAGES="$s" \
+    nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I"$src" -I"$GEN" --expt-relaxed-constexpr -DPROBE_STAGES="$s" \
       scripts/probe_timeline.cu "$src/hopper/tensor_map.cc" -o "$bin" > "$OUT/build_${name}_$s.log" 2>&1 &
   done
 done

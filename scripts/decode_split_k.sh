@@ -15,8 +15,9 @@ SKIP_BENCH=1 TESTS=${TESTS:-tests/test_numerics_gpu.py} PYTEST_K=${PYTEST_K:-sma
   TEST_XLA_FLAGS=--xla_gpu_autotune_level=0 bash "$REPO/scripts/device_check.sh" "$LOG"
 rc=$?
 [ "$rc" = 0 ] || exit "$rc"  # no benchmark of a kernel that failed its tests
+GEN=$(mktemp -d) && mkdir -p "$GEN/gemm" && python3 "$REPO/jax_hopper/_kernels.py" header "$GEN/gemm/kernel_kinds.h" || exit 1
 cd /tmp || exit 1
-nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I"$REPO/cuda" --expt-relaxed-constexpr \
+nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I"$REPO/cuda" -I"$GEN" --expt-relaxed-constexpr \
   "$REPO/scripts/probe_clusters.cu" -o /tmp/probe_clusters && /tmp/probe_clusters | tee "$LOG/clusters.txt"
 for l2 in ${L2:-warm}; do
   for setting in ${SETTINGS:-default}; do

@@ -96,7 +96,7 @@ struct GemmArgs {
 //                      registers setmaxnreg gave; tiles in a static grid stride
 //  kPersistent       + the dynamic tile order: tiles handed out by a global ticket
 //                      counter in the order clusters finish (cuBLASLt's order;
-//                      tile_scheduler.cuh): the default
+//                      scheduler/tile_tickets.cuh): the default
 //  kPersistentWait0  kPersistentStatic with wait_group(0) instead of one wgmma group in flight
 //  kPersistentFused  kPersistent with the fused epilogue (bias, activation, residual)
 //  kPersistentFusedGrad kPersistent with the fused epilogue's backward form, C times

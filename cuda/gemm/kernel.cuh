@@ -6,19 +6,19 @@
 // tile, the small-M kind one per piece of a tile's K range; the persistent kinds launch
 // one CTA per SM (in 2-CTA clusters) and each walks tiles, pipeline state carried on:
 // the default and the fused kinds in the order clusters finish (tickets,
-// tile_scheduler.cuh), the others with a grid stride. The default's consumers store a
-// tile during the next one's first K tiles (the deferred store, epilogue.cuh).
+// scheduler/tile_tickets.cuh), the others with a grid stride. The default's consumers store a
+// tile during the next one's first K tiles (epilogue/deferred_store.cuh).
 #pragma once
 #include <cuda.h>
 
 #include <type_traits>
 
 #include "gemm/config.cuh"
-#include "gemm/epilogue.cuh"
+#include "gemm/epilogue/epilogue.cuh"
 #include "gemm/mainloop.cuh"
 #include "gemm/pipeline.cuh"
-#include "gemm/stream_k_fixup.cuh"
-#include "gemm/tile_scheduler.cuh"
+#include "gemm/scheduler/tile_scheduler.cuh"
+#include "gemm/shared_storage.cuh"
 #include "gemm/timeline.cuh"
 #include "hopper/cluster.cuh"
 #include "hopper/tma.cuh"
@@ -27,26 +27,10 @@
 namespace jax_hopper {
 
 template <class Cfg>
-using SchedulerOf = SwizzledTileScheduler<Cfg::kRasterSwizzle, Cfg::kClusterM>;
-
-// The walk over this CTA's units of work (all but the dynamic order's).
-template <class Cfg>
-__device__ auto work_cursor(const WorkList& work, int64_t cluster) {
-  if constexpr (Cfg::kSplitK) {
-    return SplitKCursor{work, cluster};
-  } else {
-    return WorkCursor<Cfg::kStreamK>(work, cluster);
-  }
-}
-
-template <class Cfg>
-using EpilogueOf = std::conditional_t<Cfg::kTmaStoreEpilogue, TmaStoreEpilogue<Cfg>, DirectStoreEpilogue<Cfg>>;
-
-template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                 const __grid_constant__ CUtensorMap tmap_c, const OutputParams out, const WorkList work,
-                const SchedulerOf<Cfg> scheduler, const StreamKParams stream_k,
+                const TileOrderOf<Cfg> scheduler, const StreamKParams stream_k,
                 const __grid_constant__ CUtensorMap tmap_d,  // the derivative kind's D, or the backward
                                                              // form's staged operand
                 uint32_t* tile_counter) {  // the dynamic order's tickets, zeroed per call
@@ -77,7 +61,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
   const int cta_rank = Cfg::kClusterM > 1 ? static_cast<int>(hopper::cluster_cta_rank()) : 0;
   const int64_t cluster = blockIdx.x / Cfg::kClusterM;  // V5: one tile per CTA, one unit
   // A warp-uniform index puts the consumers' wgmma descriptors in uniform registers:
-  // 88 -> 48 instructions per warp per K tile, +1-3% kernel time (BENCHMARKS.md). The
+  // 88 -> 48 instructions per warp per K tile, 1-3% faster. The
   // forward fused kind's epilogue (32 bytes) and the kPersistentTma ablation's (16)
   // would then spill, so those two keep the plain index; the derivative and backward
   // forms fit (the backward form since it lost its unstaged path).
@@ -122,7 +106,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     }
   } else {
     if constexpr (Cfg::kProducerWarpgroup) hopper::setmaxnreg_inc<Cfg::kConsumerRegisters>();
-    using Epilogue = EpilogueOf<Cfg>;
+    using Epi = EpilogueOf<Cfg>;
     auto read = consumer_start_state<Cfg::kStages>();
     auto cursor = [&] {
       if constexpr (Cfg::kDynamicTiles) {
@@ -136,7 +120,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     int64_t own_units = 0;   // ping-pong: this warpgroup's units so far
     uint32_t operand_phase = 0;  // staged operand: parity of this warpgroup's tiles so far
     bool summed = false;  // split K: this CTA's piece went through SplitKReduce
-    typename TmaStoreEpilogue<Cfg>::Pending pending;  // the deferred store's previous tile
+    typename DeferredStore<Cfg>::Pending pending;  // the deferred store's previous tile
     pending.valid = false;
     // Ping-pong: the other warpgroup may start its next mainloop. Every thread arrives
     // (not one elected): a phase then also proves that each of this warpgroup's warps
@@ -177,7 +161,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
       // and warpgroup, so they skip together (nothing is published or awaited); so do a
       // tile's split-K pieces, which still pass their cluster's barriers (hold_for_peers).
       if (row0 >= out.m) {
-        if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, 0);
+        if constexpr (Cfg::kDeferredStore) DeferredStore<Cfg>::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, 0);
         Main::pass(pipe, k_tiles, read, Cfg::kFirstEpilogueBarrier + warpgroup);
         hand_over();
         if constexpr (Cfg::kSplitK) SplitKReduce<Cfg>::hold_for_peers(work);
@@ -190,18 +174,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
       // The backward form's staged operand loads while the mainloop runs.
       const auto load_operand = [&] {
         if constexpr (Cfg::kStagedOperand)
-          Epilogue::load_operand(smem.epilogue.buffers[warpgroup], &tmap_d, &smem.operand.full[warpgroup], row0,
+          StagedOperand<Cfg>::load_operand(smem.epilogue.buffers[warpgroup], &tmap_d, &smem.operand.full[warpgroup], row0,
                                  col0);
       };
       const auto store_pending = [&](int kt) {
         if constexpr (Cfg::kDeferredStore)
-          Epilogue::store_pending_during(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, kt);
+          DeferredStore<Cfg>::store_pending_during(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, kt);
       };
       Main::mma(pipe, smem, a_slice, k_tiles, acc, read, hand_over, load_operand, store_pending);
       JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineMainloopDone);
       // What the previous tile left to store goes before any path below leaves the unit.
       if constexpr (Cfg::kDeferredStore)
-        Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, k_tiles);
+        DeferredStore<Cfg>::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, k_tiles);
       if constexpr (Cfg::kStreamK) {
         using Fixup = StreamKFixup<Cfg>;
         if (unit.role == UnitRole::kContributor) {
@@ -224,12 +208,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
       }
       if constexpr (Cfg::kSavesDerivative) {  // act and act' computed as the sub-tiles are staged
         FusedOps<Cfg>::share_bias(out, bias_pair, smem.fused.bias[warpgroup], Cfg::kFirstEpilogueBarrier + warpgroup);
-        Epilogue::store_with_derivative(acc, smem.epilogue.buffers[warpgroup], &tmap_c, &tmap_d, out,
+        DerivativeStore<Cfg>::store_with_derivative(acc, smem.epilogue.buffers[warpgroup], &tmap_c, &tmap_d, out,
                                         smem.fused.bias[warpgroup], warpgroup, row0, col0);
         continue;
       }
       if constexpr (Cfg::kStagedOperand) {  // the backward form, in place of its staged operand
-        Epilogue::store_times_operand(acc, smem.epilogue.buffers[warpgroup], &tmap_c, out,
+        StagedOperand<Cfg>::store_times_operand(acc, smem.epilogue.buffers[warpgroup], &tmap_c, out,
                                       &smem.operand.full[warpgroup], operand_phase, smem.column_sums.sums[warpgroup],
                                       warpgroup, row0, col0);
         operand_phase ^= 1;
@@ -239,7 +223,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
                                Cfg::kFirstEpilogueBarrier + warpgroup);
         if constexpr (Cfg::kDeferredStore) {
           if (!out.f32) {  // 16-bit C, by TMA or, where TMA cannot address it, copy_out
-            Epilogue::defer(acc, pending, tile.batch, row0, col0);
+            DeferredStore<Cfg>::defer(acc, pending, tile.batch, row0, col0);
             continue;
           }
         }
@@ -247,17 +231,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
         for (int mb = 0; mb < Cfg::kMmaBlocksM; ++mb) {  // one 64-row block at a time
           const int block_row0 = row0 + mb * Cfg::kMmaM;
           if constexpr (Cfg::kTmaStoreEpilogue) {
-            Epilogue::store(Main::block(acc, mb), smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup,
+            Epi::store(Main::block(acc, mb), smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup,
                             tile.batch, block_row0, col0);
           } else {
-            Epilogue::store(Main::block(acc, mb), out, tile.batch, block_row0, col0);
+            Epi::store(Main::block(acc, mb), out, tile.batch, block_row0, col0);
           }
         }
       }
     }
-    if constexpr (Cfg::kDeferredStore) Epilogue::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, 0);
+    if constexpr (Cfg::kDeferredStore) DeferredStore<Cfg>::flush(pending, smem.epilogue.buffers[warpgroup], &tmap_c, out, warpgroup, 0);
     JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineStoresIssued);
-    if constexpr (Cfg::kTmaStoreEpilogue) Epilogue::finish();
+    if constexpr (Cfg::kTmaStoreEpilogue) Epi::finish();
     if constexpr (Cfg::kSplitK) SplitKReduce<Cfg>::finish(work, summed);
     JH_TIMELINE_MARK(threadIdx.x == 0, kTimelineConsumerDone);
   }
