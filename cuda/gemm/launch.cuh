@@ -195,8 +195,9 @@ Status prepare_stream_k(const GemmArgs& args, cudaStream_t stream, WorkList* wor
 }
 
 // Split K (the small-M kind): how many pieces each tile's K range is cut into. Measured:
-// a wave of pieces costs its longest piece plus kPieceOverheadKTiles K tiles' worth of time (each further wave of shorter pieces
-// added 3.7-9 us, about 3-8 K tiles of one CTA's streaming). Where the tiles fit one
+// a wave of pieces costs its longest piece plus kPieceOverheadKTiles K tiles' worth of
+// time (each further wave of shorter pieces added 3.7-9 us, about 3-8 K tiles of one
+// CTA's streaming). Where the tiles fit one
 // wave: the most pieces that still do, floor(CTAs / tiles) (at 16x8192x8192: 4 pieces,
 // 38 us, against 42-48 us with 2-4 waves). With more tiles than CTAs (wide N; not
 // measured), of the piece counts that fill w = 1 .. kMaxSplitKWaves waves (w = 1: a
@@ -254,8 +255,8 @@ inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
 // resident in clusters than alone: of the piece counts from the one-wave rule's down to
 // 2, the first whose clusters all fit at once is taken. Measured on an H200, clusters
 // against the global workspace: long pieces stream B at full bandwidth, so fewer of them
-// cost nothing and the cheaper sum wins (N = K = 8192, 64 tiles, 3 pieces of 43 K tiles in clusters against 4 of 32, M = 16 38.3 vs 39.1 us,
-// M = 64 40.3 vs 45.5). Short pieces lost in clusters while piece 0 summed the tile
+// cost nothing and the cheaper sum wins (N = K = 8192, 64 tiles, 3 pieces of 43 K
+// tiles in clusters against 4 of 32: M = 16 38.3 vs 39.1 us, M = 64 40.3 vs 45.5). Short pieces lost in clusters while piece 0 summed the tile
 // alone; since every piece sums its own columns they win too (CUDA events per launch:
 // 16x4096x4096 7 of 10 K tiles 17.2 us against 8 of 8
 // through global memory 20.1; 16x5120x4096 5 against 6, 19.3 vs 22.2). Drops of more

@@ -43,8 +43,9 @@ struct DerivativeStore {
     for (int p = 0; p < Tma::kPairSteps; ++p) {
       const int j = s * kSubtileBlocks + 2 * p;  // first accumulator column block of the pair
       uint32_t c[Tma::kMatrices];
+      // Accumulator pairs 4j + 2q, 4j + 2q + 2: block j + q / 2, both halves.
 #pragma unroll
-      for (int q = 0; q < Tma::kMatrices; q += 2) {  // accumulator pairs 4j + 2q, 4j + 2q + 2: block j + q / 2, both halves
+      for (int q = 0; q < Tma::kMatrices; q += 2) {
         const float2 b = Ops::unpack(bias[2 * p + q / 2]);
         const int i = 4 * j + 2 * q;
         if constexpr (kAct == Activation::kGeluErf) {
@@ -100,7 +101,8 @@ struct DerivativeStore {
       hopper::named_barrier_sync(barrier, hopper::kWarpgroupSize);
 #pragma unroll
       for (int p = 0; p < Tma::kPairSteps; ++p)
-        hopper::stmatrix_x4(hopper::smem_addr(buffers[1]) + Tma::stmatrix_offset(p), d[p][0], d[p][1], d[p][2], d[p][3]);
+        hopper::stmatrix_x4(hopper::smem_addr(buffers[1]) + Tma::stmatrix_offset(p), d[p][0], d[p][1], d[p][2],
+                            d[p][3]);
       issue(tmap_d, buffers[1], s);
     }
   }
