@@ -103,19 +103,25 @@ struct StaticScheduler : SchedulerBase<Cfg> {
   // The producer's walk: the same units as the consumers'.
   __device__ static Cursor producer(const WorkList& work, int64_t cluster) { return Cursor(work, cluster); }
 
-  // What the consumers keep beyond the cursor: ping-pong's turns, stream-K's place.
-  struct Extras {
+  // What the consumers keep beyond the cursor: stream-K's place; ping-pong's turns too.
+  struct Place {
     const StaticScheduler& s;
-    State& read;
     int warpgroup;
-    int64_t unit_index = 0;  // ping-pong: this CTA's units so far (whose turn it is)
-    int64_t own_units = 0;   // ping-pong: this warpgroup's units so far
-    __device__ Extras(const StaticScheduler& sched, State& r, int wg) : s(sched), read(r), warpgroup(wg) {}
+    __device__ Place(const StaticScheduler& sched, State&, int wg) : s(sched), warpgroup(wg) {}
   };
-  struct NoExtras {
-    __device__ NoExtras(const StaticScheduler&, State&, int) {}
+  struct Turns {
+    const StaticScheduler& s;
+    int warpgroup;
+    State& read;
+    int64_t unit_index = 0;  // this CTA's units so far (whose turn it is)
+    int64_t own_units = 0;   // this warpgroup's units so far
+    __device__ Turns(const StaticScheduler& sched, State& r, int wg) : s(sched), warpgroup(wg), read(r) {}
   };
-  using ConsumerExtras = std::conditional_t<Cfg::kPingpong || Cfg::kStreamK, Extras, NoExtras>;
+  struct Nothing {
+    __device__ Nothing(const StaticScheduler&, State&, int) {}
+  };
+  using ConsumerExtras =
+      std::conditional_t<Cfg::kPingpong, Turns, std::conditional_t<Cfg::kStreamK, Place, Nothing>>;
 
   struct Consumer : Base::WholeTiles, ConsumerExtras {
     Cursor cursor;
