@@ -129,7 +129,7 @@ def cpp_header() -> str:
     """The C++ view of the table (cuda/gemm/gemm.h includes it)."""
     kinds = ",\n".join(f"  {k.enumerator} = {k.id}" for k in sorted(KINDS, key=lambda k: k.id))
     acts = ",\n".join(f"  {a.enumerator} = {a.id}" for a in ACTIVATIONS)
-    names = " \\\n".join(f"  X({k.enumerator}, \"{k.name}\", {k.stages})" for k in KINDS)
+    names = " \\\n".join(f"  X({k.enumerator}, \"{k.name}\", {k.stages}, \"{k.target}\")" for k in KINDS)
     return (
         "// Generated from jax_hopper/_kernels.py at configure time: edit that table, not this file.\n"
         "#pragma once\n#include <cstdint>\n\nnamespace jax_hopper {\n\n"
@@ -138,7 +138,7 @@ def cpp_header() -> str:
         f"// Elementwise function of the fused epilogues, applied in f32.\n"
         f"enum class Activation : int32_t {{\n{acts}\n}};\n"
         f"constexpr int32_t kNumActivations = {len(ACTIVATIONS)};\n\n"
-        f"// X(enumerator, name, default stages) for every kind.\n"
+        f"// X(enumerator, name, default stages, FFI target) for every kind, in the table's order.\n"
         f"#define JAX_HOPPER_KERNEL_KINDS(X) \\\n{names}\n\n"
         "}  // namespace jax_hopper\n")
 

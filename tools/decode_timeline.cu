@@ -36,7 +36,7 @@ constexpr int kThreadsPerBlock = 256;
 constexpr int kFillBlocks = 1024;                                  // grid-stride fill of the operands
 constexpr int kScrubBlocks = 264, kScrubThreads = 1024;            // two CTAs per SM of an H200
 #ifndef PROBE_STAGES
-#define PROBE_STAGES 4  // the small-M kind's instance in cuda/gemm/instances.def
+#define PROBE_STAGES 4  // the small-M kind's instance (jax_hopper/_kernels.py)
 #endif
 constexpr int kStages = PROBE_STAGES;  // -DPROBE_STAGES=N: the ring's depth, to measure
 

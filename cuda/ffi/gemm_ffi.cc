@@ -18,29 +18,20 @@ namespace ffi = xla::ffi;
 namespace jax_hopper {
 namespace {
 
-// Values of the `kernel` attribute, by index (jax_hopper/_primitive.py: KERNELS).
-constexpr KernelKind kKernelKinds[] = {KernelKind::kV5, KernelKind::kPersistent, KernelKind::kPersistentBasic,
-                                       KernelKind::kPersistentTma, KernelKind::kPersistentWait0,
-                                       KernelKind::kPersistentFused, KernelKind::kPersistentStreamK,
-                                       KernelKind::kPersistentF16Acc, KernelKind::kSmallM,
-                                       KernelKind::kPersistentPingpong, KernelKind::kPersistentImmediate,
-                                       KernelKind::kPersistentStatic};
-constexpr int32_t kNumKernelKinds = sizeof(kKernelKinds) / sizeof(kKernelKinds[0]);
-
 std::string shape_str(ffi::AnyBuffer::Dimensions d) {
   std::string s = "[";
   for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
   return s + "]";
 }
 
-ffi::Error to_ffi(const Status& st) {
+ffi::Error to_ffi(const std::string& target, const Status& st) {
   switch (st.code) {
     case Status::kOk:
       return ffi::Error::Success();
     case Status::kInvalidArgument:
-      return ffi::Error::InvalidArgument("jax_hopper_gemm: " + st.message);
+      return ffi::Error::InvalidArgument(target + ": " + st.message);
     default:
-      return ffi::Error::Internal("jax_hopper_gemm: " + st.message);
+      return ffi::Error::Internal(target + ": " + st.message);
   }
 }
 
@@ -148,24 +139,27 @@ std::function<void*(size_t)> scratch_of(ffi::ScratchAllocator& scratch) {
   };
 }
 
+// Every handler ends here: the kind's launch with the call's scratch memory (the
+// dynamic order's ticket counter, split K's and stream-K's partial sums).
+ffi::Error run(const std::string& target, GemmArgs& args, KernelKind kind, int stages, ffi::ScratchAllocator& scratch,
+               cudaStream_t stream) {
+  args.allocate_workspace = scratch_of(scratch);
+  KernelChoice choice;
+  choice.kind = kind;
+  choice.stages = stages;
+  return to_ffi(target, gemm(args, choice, stream));
+}
+
 ffi::Error GemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a, ffi::AnyBuffer b,
                     ffi::Result<ffi::AnyBuffer> c, int32_t transpose_a, int32_t transpose_b, int32_t kernel,
                     int32_t stages) {
+  const std::string target = "jax_hopper_gemm";
   GemmArgs args;
   if (ffi::Error err = decode(a, b, c, transpose_a, transpose_b, args); err.failure()) return err;
-  args.allocate_workspace = scratch_of(scratch);
-  if (kernel < 0 || kernel >= kNumKernelKinds || kKernelKinds[kernel] == KernelKind::kPersistentFused)
-    return ffi::Error::InvalidArgument("jax_hopper_gemm: unknown kernel " + std::to_string(kernel));
-  KernelChoice choice;
-  choice.kind = kKernelKinds[kernel];
-  choice.stages = stages;
-  return to_ffi(gemm(args, choice, stream));
+  KernelKind kind;
+  if (const Status st = kernel_kind_for_target(kernel, target, &kind); !st.ok()) return to_ffi(target, st);
+  return run(target, args, kind, stages, scratch, stream);
 }
-
-// Values of the `activation` attribute (jax_hopper/_fused.py: ACTIVATIONS).
-constexpr Activation kActivations[] = {Activation::kNone, Activation::kRelu, Activation::kGeluTanh,
-                                       Activation::kGeluErf, Activation::kSilu};
-constexpr int32_t kNumActivations = sizeof(kActivations) / sizeof(kActivations[0]);
 
 // The fused handlers' shared part: decode, a rank-2 b, c of the operands' type, and the
 // activation.
@@ -174,10 +168,7 @@ ffi::Error decode_fused(const std::string& target, ffi::AnyBuffer a, ffi::AnyBuf
   if (ffi::Error err = decode(a, b, c, transpose_a, transpose_b, args); err.failure()) return err;
   if (b.dimensions().size() != 2 || c->element_type() != a.element_type())
     return ffi::Error::InvalidArgument(target + ": b must be rank 2 and c of the operands' type");
-  if (activation < 0 || activation >= kNumActivations)
-    return ffi::Error::InvalidArgument(target + ": unknown activation " + std::to_string(activation));
-  args.activation = kActivations[activation];
-  return ffi::Error::Success();
+  return to_ffi(target, activation_of(activation, &args.activation));
 }
 
 // An optional bias [N] of the operands' type (empty: none).
@@ -215,10 +206,8 @@ ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
     return err;
   if (ffi::Error err = decode_bias(target, bias, a.element_type(), args); err.failure()) return err;
   if (ffi::Error err = decode_residual(target, residual, c, args); err.failure()) return err;
-  KernelChoice choice;
-  args.allocate_workspace = scratch_of(scratch);  // the dynamic order's ticket counter
-  choice.kind = KernelKind::kPersistentFused;
-  return to_ffi(gemm(args, choice, stream));
+  return run(target, args, KernelKind::kPersistentFused, kernel_kind_info(KernelKind::kPersistentFused).stages, scratch,
+             stream);
 }
 
 // The backward form C = (A * B) * act'(z) (gemm.h: GemmArgs::activation_grad; with
@@ -246,11 +235,8 @@ ffi::Error GemmFusedGradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                                          shape_str(ds));
     args.column_sums = static_cast<float*>(column_sums->untyped_data());
   }
-  KernelChoice choice;
-  args.allocate_workspace = scratch_of(scratch);
-  choice.kind = KernelKind::kPersistentFusedGrad;
-  choice.stages = kFusedGradStages;
-  return to_ffi(gemm(args, choice, stream));
+  return run(target, args, KernelKind::kPersistentFusedGrad,
+             kernel_kind_info(KernelKind::kPersistentFusedGrad).stages, scratch, stream);
 }
 
 // C = act(A * B + bias) and D = act'(A * B + bias): the contract of GemmFusedImpl with
@@ -266,13 +252,11 @@ ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::ScratchAllocator sc
   if (ffi::Error err = decode_bias(target, bias, a.element_type(), args); err.failure()) return err;
   const auto dc = c->dimensions(), dd = d->dimensions();
   if (d->element_type() != c->element_type() || !std::equal(dd.begin(), dd.end(), dc.begin(), dc.end()))
-    return ffi::Error::InvalidArgument("jax_hopper_gemm_fused_derivative: d must have c's shape " + shape_str(dc) +
+    return ffi::Error::InvalidArgument(target + ": d must have c's shape " + shape_str(dc) +
                                        " and type, got " + shape_str(dd));
   args.derivative = d->untyped_data();
-  KernelChoice choice;
-  args.allocate_workspace = scratch_of(scratch);
-  choice.kind = KernelKind::kPersistentFusedDerivative;
-  return to_ffi(gemm(args, choice, stream));
+  return run(target, args, KernelKind::kPersistentFusedDerivative,
+             kernel_kind_info(KernelKind::kPersistentFusedDerivative).stages, scratch, stream);
 }
 
 }  // namespace

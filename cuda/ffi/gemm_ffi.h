@@ -5,13 +5,14 @@
 // Operands: a, b (f16 or bf16, rank 2, or rank 3 with a leading batch dimension);
 // result: c [(batch,) M, N] of the same type or f32.
 // Attributes: transpose_a (A stored [K, M]), transpose_b (B stored [N, K]),
-// kernel (index into KernelKind as gemm_ffi.cc lists it; not the fused kind), stages.
+// kernel (a KernelKind value: jax_hopper/_kernels.py, Kind.id; a kind this target
+// launches), stages.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemm);
 
 // C = act(A * B + bias) + residual in one kernel (the fused epilogue). Operands: a, b
 // (rank 2), bias ([N] or empty), residual ([M, N] or empty), all of one 16-bit type;
-// result c [M, N] of that type. Attributes: transpose_a, transpose_b, activation
-// (0 none, 1 relu, 2 gelu tanh, 3 gelu erf, 4 silu).
+// result c [M, N] of that type. Attributes: transpose_a, transpose_b, activation (an
+// Activation value: jax_hopper/_kernels.py, ACTIVATIONS).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemmFused);
 
 // The backward form C = (A * B) * act'(z) (with activation 0, z is act'(z) itself: a

@@ -6,7 +6,6 @@
 
 #include "gemm/gemm.h"
 #include "gemm/smem_layout.cuh"
-#include "gemm/tile_scheduler.cuh"
 #include "hopper/warpgroup.cuh"
 
 namespace jax_hopper {
@@ -30,9 +29,9 @@ struct GemmConfig {
   // along M would hold rows past M), and every tile's K range cut into equal pieces, one
   // CTA each (kSplitK), small enough that two CTAs share an SM (kCtasPerSm), in as few
   // waves as the tiles allow (launch.cuh: split_k_pieces); a tile's pieces form a
-  // cluster of their own where they fit, to be summed in shared memory (SplitKReduce). Measured against the stream-K split it
-  // replaced (one CTA per SM, a finisher waiting on its contributors' flags): 16x8192x8192
-  // in 38 us instead of 46 (BENCHMARKS.md, session of 2026-12-03 17:49).
+  // cluster of their own where they fit, to be summed in shared memory (SplitKReduce):
+  // faster than a stream-K split with one CTA per SM and a finisher waiting on its
+  // contributors' flags (16x8192x8192: 38 us instead of 46).
   // Persistent (the other kinds): one CTA per SM walks the tiles, so the producer fills
   // the next tile's stages while the consumers run the epilogue. Clusters of kClusterM
   // CTAs along M compute neighbouring M tiles of one N column: each loads 1/kClusterM of
@@ -53,7 +52,7 @@ struct GemmConfig {
   static constexpr bool kSavesDerivative = kKind == KernelKind::kPersistentFusedDerivative;
   static constexpr bool kFusedEpilogue =
       kKind == KernelKind::kPersistentFused || kActivationGrad || kSavesDerivative;
-  // The tail wave split along K over the clusters (tile_scheduler.cuh: WorkList).
+  // The tail wave split along K over the clusters (scheduler/work_list.cuh: WorkList).
   static constexpr bool kStreamK = kKind == KernelKind::kPersistentStreamK;
   // Pieces one tail tile's K range may be cut into (a finisher sums the others' partials).
   static constexpr int kMaxSplitsPerTile = 4;
@@ -64,7 +63,7 @@ struct GemmConfig {
   // for warpgroup 0, odd ones for 1 -- so every stage of the ring has one reader per CTA
   // and one warpgroup's epilogue runs while the other's MMAs keep the tensor cores busy.
   static constexpr bool kPingpong = kKind == KernelKind::kPersistentPingpong;
-  // The dynamic tile order (tile_scheduler.cuh: TileTickets): the default kernel and the
+  // The dynamic tile order (scheduler/tile_tickets.cuh): the default kernel and the
   // fused kinds hand tiles out by a global ticket counter in the order clusters finish;
   // the default's ablations and the experimental kinds walk them in a grid stride.
   static constexpr bool kDynamicTiles = kKind == KernelKind::kPersistent || kFusedEpilogue;
@@ -79,7 +78,7 @@ struct GemmConfig {
   static constexpr bool kProducerWarpgroup = kDefaultOrStatic || kKind == KernelKind::kPersistentImmediate ||
                                              kKind == KernelKind::kPersistentWait0 || kFusedEpilogue ||
                                              kKind == KernelKind::kPersistentStreamK || kF16Accumulate || kPingpong;
-  // The deferred store (epilogue.cuh): a tile's 16-bit output is packed into registers
+  // The deferred store (epilogue/deferred_store.cuh): a tile's 16-bit output is packed into registers
   // and staged and stored during the next tile's first K tiles, under its MMAs, instead
   // of between the two tiles while the tensor cores wait. The packed tile (64 registers)
   // sits next to the next tile's 128 f32 accumulators, which the consumers' setmaxnreg
@@ -92,8 +91,7 @@ struct GemmConfig {
   // times as long as the 4-stage kernel's. Retiring each group before the next frees a stage.
   static constexpr int kMmaInFlight = kKind == KernelKind::kPersistentWait0 || kActivationGrad ? 0 : 1;
   // Tile order: consecutive CTAs sweep this many neighbouring N tiles, then step in M.
-  // 8 measured best of 2/4/8/16 on every shape tried (BENCHMARKS.md, "raster width"),
-  // about 1% over the seed's 4.
+  // 8 measured best of 2/4/8/16 on every shape tried, about 1% over the seed's 4.
   static constexpr int kRasterSwizzle = 8;
 
   static constexpr int kConsumerWarpgroups = kF16Accumulate ? 4 : (kSmallM ? 1 : 2);
@@ -147,7 +145,7 @@ struct GemmConfig {
   // epilogue reads each sub-tile from there (ldmatrix, the inverse of the stmatrix that
   // then writes the result in its place) and stores it. Loaded by the epilogue itself
   // instead, a chunk of registers at a time, the operand's L2 round trips were on every
-  // tile's critical path (BENCHMARKS.md). Its 64 KB take the place of a fourth stage.
+  // tile's critical path. Its 64 KB take the place of a fourth stage.
   // The kind has no other path: the host requires z and C that TMA can address.
   static constexpr bool kStagedOperand = kActivationGrad;
   static constexpr int kOperandSubtiles = kBlockN * static_cast<int>(sizeof(Element)) / kStoreRowBytes;  // 4
@@ -164,8 +162,8 @@ struct GemmConfig {
   // A's rows up to M, rounded up to a swizzle atom (8 rows), not the tile's 64. TMA's
   // zero fill of a box's rows past M is no saving: Nsight counted those rows as L2
   // reads like the others (16x4096x4096: 52 MB from L2 to the SMs, of which 33.7 MB
-  // are B, where XLA's kernel reads 38; 40 MB trimmed). Measured (BENCHMARKS.md, session
-  // of 2026-12-04 00:06): 1x8192x8192 40.4 -> 36.6 us, 16x4096x4096 13.7 -> 11.3. The
+  // are B, where XLA's kernel reads 38; 40 MB trimmed): 1x8192x8192 40.4 -> 36.6 us,
+  // 16x4096x4096 13.7 -> 11.3. The
   // rows past the box keep whatever the ring held; wgmma multiplies them into
   // accumulator rows past M, which are never summed with others or stored (each output
   // row depends only on its own row of A).
@@ -216,82 +214,5 @@ struct GemmConfig {
                                            kThreads * kLaunchRegisters,
                 "the register split exceeds the CTA's register pool");
 };
-
-// Staging buffers of the TMA-store epilogue (none for the register epilogue).
-template <class Cfg, bool = Cfg::kTmaStoreEpilogue>
-struct EpilogueStorage {
-  alignas(kSmemAlignment) uint8_t buffers[Cfg::kConsumerWarpgroups][Cfg::kStoreBuffers][Cfg::kStoreBufferBytes];
-};
-template <class Cfg>
-struct EpilogueStorage<Cfg, false> {};
-
-// The fused epilogue's bias slice of the current tile, one 16-bit pair per thread of
-// each consumer warpgroup (FusedOps::prefetch / apply).
-template <class Cfg, bool = Cfg::kFusedEpilogue>
-struct FusedStorage {
-  uint32_t bias[Cfg::kConsumerWarpgroups][hopper::kWarpgroupSize];
-};
-template <class Cfg>
-struct FusedStorage<Cfg, false> {};
-
-// Ping-pong: turn[w] completes a phase each time the other warpgroup has waited for all
-// of its tile's stages (all its threads arrive), which warpgroup w awaits before its own
-// next tile. Besides serializing the two mainloops, this keeps a warpgroup from waiting
-// on a stage more than one ring lap ahead of the producer, where the phase parity would
-// be ambiguous.
-template <class Cfg, bool = Cfg::kPingpong>
-struct TurnStorage {
-  uint64_t turn[Cfg::kConsumerWarpgroups];
-};
-template <class Cfg>
-struct TurnStorage<Cfg, false> {};
-
-// The staged operand's barrier, one per consumer warpgroup: its loads complete on it
-// (transaction bytes), one phase per tile.
-template <class Cfg, bool = Cfg::kStagedOperand>
-struct OperandStorage {
-  uint64_t full[Cfg::kConsumerWarpgroups];
-};
-template <class Cfg>
-struct OperandStorage<Cfg, false> {};
-
-// The backward form's bias-gradient scratch, one per consumer warpgroup.
-template <class Cfg, bool = Cfg::kStagedOperand>
-struct ColumnSumStorage {
-  float sums[Cfg::kConsumerWarpgroups][hopper::kWarpsPerWarpgroup][Cfg::kBlockN];
-};
-template <class Cfg>
-struct ColumnSumStorage<Cfg, false> {};
-
-// The dynamic tile order's per-stage tile slots and producer mailbox.
-template <class Cfg, bool = Cfg::kDynamicTiles>
-struct TicketStorageOf {
-  TicketStorage<Cfg::kStages> tickets;
-};
-template <class Cfg>
-struct TicketStorageOf<Cfg, false> {};
-
-template <class Cfg>
-struct SharedStorage {
-  struct alignas(kSmemAlignment) Stage {
-    typename Cfg::Element a[Cfg::LayoutA::kElements];
-    typename Cfg::Element b[Cfg::LayoutB::kElements];
-  };
-  Stage stages[Cfg::kStages];
-  EpilogueStorage<Cfg> epilogue;
-  FusedStorage<Cfg> fused;
-  TurnStorage<Cfg> turns;
-  OperandStorage<Cfg> operand;
-  ColumnSumStorage<Cfg> column_sums;
-  uint64_t full[Cfg::kStages];   // TMA -> consumers: the stage holds fresh data
-  uint64_t empty[Cfg::kStages];  // consumers -> TMA: the stage may be overwritten
-  TicketStorageOf<Cfg> dynamic;  // last: the other kinds' offsets stay as they were
-};
-
-// Dynamic shared memory requested at launch: the storage plus slack to align its base.
-template <class Cfg>
-constexpr size_t smem_bytes() {
-  return sizeof(SharedStorage<Cfg>) + kSmemAlignment;
-}
 
 }  // namespace jax_hopper

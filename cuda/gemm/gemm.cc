@@ -10,27 +10,35 @@
 
 namespace jax_hopper {
 
-// Defined by the generated per-instance translation units (instances.def).
+// Defined by the generated per-instance translation units (instance.cu.in).
 template <KernelKind kKind, ElementType kType, Major kMajorA, Major kMajorB, int kStages>
 Status launch_gemm_instance(const GemmArgs& args, cudaStream_t stream);
 
 namespace {
 
+constexpr KernelKindInfo kKinds[] = {
+#define JAX_HOPPER_KIND_INFO(K, NAME, STAGES, TARGET) {KernelKind::K, NAME, STAGES, TARGET},
+    JAX_HOPPER_KERNEL_KINDS(JAX_HOPPER_KIND_INFO)
+#undef JAX_HOPPER_KIND_INFO
+};
+static_assert(sizeof(kKinds) / sizeof(kKinds[0]) == kNumKernelKinds, "one entry per kind");
+
 using LaunchFn = Status (*)(const GemmArgs&, cudaStream_t);
 
+// Every instance of the table; `launch` is null for those this build left out.
 struct Instance {
-  KernelKind kind;
-  ElementType dtype;
-  Major major_a, major_b;
-  int stages;
+  KernelInstance key;
   LaunchFn launch;
 };
 
 constexpr Instance kInstances[] = {
-#define JAX_HOPPER_GEMM_INSTANCE(K, T, A, B, S) \
-  {KernelKind::K, ElementType::T, Major::A, Major::B, S, &launch_gemm_instance<KernelKind::K, ElementType::T, Major::A, Major::B, S>},
-#include "gemm/instances.def"
+#define JAX_HOPPER_GEMM_INSTANCE(K, T, A, B, S)                     \
+  {{KernelKind::K, ElementType::T, Major::A, Major::B, S},          \
+   &launch_gemm_instance<KernelKind::K, ElementType::T, Major::A, Major::B, S>},
+#define JAX_HOPPER_ABSENT_INSTANCE(K, T, A, B, S) {{KernelKind::K, ElementType::T, Major::A, Major::B, S}, nullptr},
+#include "gemm/instances.inc"
 #undef JAX_HOPPER_GEMM_INSTANCE
+#undef JAX_HOPPER_ABSENT_INSTANCE
 };
 
 constexpr uintptr_t kTmaBaseAlignBytes = 16;
@@ -80,41 +88,36 @@ Status check_device() {
   return st;
 }
 
-const char* kind_name(KernelKind kind) {
-  switch (kind) {
-    case KernelKind::kV5:
-      return "V5";
-    case KernelKind::kPersistent:
-      return "persistent";
-    case KernelKind::kPersistentBasic:
-      return "persistent_basic";
-    case KernelKind::kPersistentTma:
-      return "persistent_tma";
-    case KernelKind::kPersistentWait0:
-      return "persistent_wait0";
-    case KernelKind::kPersistentFused:
-      return "persistent_fused";
-    case KernelKind::kPersistentStreamK:
-      return "persistent_streamk";
-    case KernelKind::kPersistentF16Acc:
-      return "persistent_f16acc";
-    case KernelKind::kSmallM:
-      return "small_m";
-    case KernelKind::kPersistentPingpong:
-      return "persistent_pingpong";
-    case KernelKind::kPersistentFusedGrad:
-      return "persistent_fused_grad";
-    case KernelKind::kPersistentFusedDerivative:
-      return "persistent_fused_derivative";
-    case KernelKind::kPersistentImmediate:
-      return "persistent_immediate";
-    case KernelKind::kPersistentStatic:
-      return "persistent_static";
-  }
-  return "unknown";
+}  // namespace
+
+const KernelKindInfo* kernel_kind_info(int32_t id) {
+  for (const KernelKindInfo& info : kKinds)
+    if (static_cast<int32_t>(info.kind) == id) return &info;
+  return nullptr;
 }
 
-}  // namespace
+std::vector<KernelInstance> compiled_instances() {
+  std::vector<KernelInstance> compiled;
+  for (const Instance& inst : kInstances)
+    if (inst.launch != nullptr) compiled.push_back(inst.key);
+  return compiled;
+}
+
+Status kernel_kind_for_target(int32_t id, const std::string& target, KernelKind* kind) {
+  const KernelKindInfo* info = kernel_kind_info(id);
+  if (info == nullptr) return Status::Invalid("unknown kernel " + std::to_string(id));
+  if (target != info->target)
+    return Status::Invalid("unknown kernel " + std::to_string(id) + " for " + target + " (" + info->name +
+                           " is launched by " + info->target + ")");
+  *kind = info->kind;
+  return Status::Ok();
+}
+
+Status activation_of(int32_t id, Activation* activation) {
+  if (id < 0 || id >= kNumActivations) return Status::Invalid("unknown activation " + std::to_string(id));
+  *activation = static_cast<Activation>(id);
+  return Status::Ok();
+}
 
 Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t stream) {
   if (args.batch < 0 || args.m < 0 || args.n < 0 || args.k < 0) return Status::Invalid("negative problem size");
@@ -194,15 +197,22 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
   st = check_device();
   if (!st.ok()) return st;
 
+  const KernelInstance wanted{choice.kind, args.dtype, args.major_a, args.major_b, choice.stages};
+  const char* const name = kernel_kind_info(choice.kind).name;
+  const std::string what = std::string(name) + " kernel for " + (args.dtype == ElementType::kF16 ? "f16" : "bf16") +
+                           ", A " + (a_k_major ? "K" : "M") + "-major, B " + (b_k_major ? "K" : "N") +
+                           "-major, with " + std::to_string(choice.stages) + " stages";
   for (const Instance& inst : kInstances) {
-    if (inst.kind == choice.kind && inst.dtype == args.dtype && inst.major_a == args.major_a &&
-        inst.major_b == args.major_b && inst.stages == choice.stages)
-      return inst.launch(args, stream);
+    const KernelInstance& key = inst.key;
+    if (key.kind != wanted.kind || key.dtype != wanted.dtype || key.major_a != wanted.major_a ||
+        key.major_b != wanted.major_b || key.stages != wanted.stages)
+      continue;
+    if (inst.launch == nullptr)
+      return Status::Invalid("the " + what + " is an ablation or experimental instance, not compiled into this "
+                             "build: configure with -DJAX_HOPPER_EXPERIMENTAL_KERNELS=ON");
+    return inst.launch(args, stream);
   }
-  return Status::Invalid(std::string("no compiled ") + kind_name(choice.kind) +
-                         " kernel for this dtype/layout with " + std::to_string(choice.stages) +
-                         " stages (A " + (a_k_major ? "K" : "M") + "-major, B " + (b_k_major ? "K" : "N") +
-                         "-major; see cuda/gemm/instances.def)");
+  return Status::Invalid("no compiled " + what + " (jax_hopper/_kernels.py lists the instances)");
 }
 
 }  // namespace jax_hopper

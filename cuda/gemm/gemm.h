@@ -6,13 +6,15 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
+
+// KernelKind, Activation and the JAX_HOPPER_KERNEL_KINDS table, generated at configure
+// time from jax_hopper/_kernels.py (the one list of kinds, activations and instances).
+#include "gemm/kernel_kinds.h"
 
 namespace jax_hopper {
 
 enum class ElementType { kF16, kBF16 };
-
-// Elementwise function of the fused epilogue, applied in f32 to accumulator + bias.
-enum class Activation { kNone, kRelu, kGeluTanh, kGeluErf, kSilu };
 
 // Which dimension of a stored operand is contiguous. A is M x K and B is K x N
 // logically; jnp.dot's A [M, K] is K-major, its B [K, N] is MN-major.
@@ -79,10 +81,11 @@ struct GemmArgs {
   std::function<void*(size_t bytes)> allocate_workspace;
 };
 
-// Which kernel. kV5 is the seed (one tile per CTA, producer warp, epilogue stored from
-// registers). The persistent kinds run one CTA per SM looping over tiles in 2-CTA
-// clusters along M that share B through TMA multicast; they differ by one technique
-// each, so the benchmark can measure what each buys (config.cuh derives the details):
+// The kernel kinds (KernelKind, generated; jax_hopper/_kernels.py says what each is for).
+// kV5 is the seed (one tile per CTA, producer warp, epilogue stored from registers). The
+// persistent kinds run one CTA per SM looping over tiles in 2-CTA clusters along M that
+// share B through TMA multicast; the ablations differ by one technique each
+// (config.cuh derives the details):
 //  kPersistentBasic  register->global epilogue, one producer warp (288 threads)
 //  kPersistentTma    + epilogue staged in shared memory and written by TMA stores
 //                      that overlap the next tile's mainloop
@@ -93,7 +96,7 @@ struct GemmArgs {
 //                      registers setmaxnreg gave; tiles in a static grid stride
 //  kPersistent       + the dynamic tile order: tiles handed out by a global ticket
 //                      counter in the order clusters finish (cuBLASLt's order;
-//                      tile_scheduler.cuh: TileTickets): the default
+//                      scheduler/tile_tickets.cuh): the default
 //  kPersistentWait0  kPersistentStatic with wait_group(0) instead of one wgmma group in flight
 //  kPersistentFused  kPersistent with the fused epilogue (bias, activation, residual)
 //  kPersistentFusedGrad kPersistent with the fused epilogue's backward form, C times
@@ -111,38 +114,40 @@ struct GemmArgs {
 //                      of the tile's pieces through distributed shared memory, or
 //                      (more than 8 pieces, or short pieces a cluster would cut
 //                      fewer) by the last piece through global memory
-//  kPersistentPingpong EXPERIMENTAL: 128x128 tiles, each consumer warpgroup owns whole
+//  kPersistentPingpong experimental: 128x128 tiles, each consumer warpgroup owns whole
 //                      tiles (the CTA's even and odd ones), so one warpgroup's epilogue
-//                      runs under the other's MMAs (one of cuBLASLt's 4096^3 candidates);
-//                      measured slower than kPersistent (BENCHMARKS.md)
-enum class KernelKind {
-  kV5,
-  kPersistent,
-  kPersistentBasic,
-  kPersistentTma,
-  kPersistentWait0,
-  kPersistentFused,
-  kPersistentStreamK,
-  kPersistentF16Acc,
-  kSmallM,
-  kPersistentPingpong,
-  kPersistentFusedGrad,
-  kPersistentFusedDerivative,
-  kPersistentImmediate,
-  kPersistentStatic
+//                      runs under the other's MMAs; slower than kPersistent
+
+// What the table says of one kind.
+struct KernelKindInfo {
+  KernelKind kind;
+  const char* name;    // the name Python uses
+  int stages;          // the default ring depth
+  const char* target;  // the FFI target that launches it
 };
+// The kind whose KernelKind value is `id` (the FFI's `kernel` attribute), or null.
+const KernelKindInfo* kernel_kind_info(int32_t id);
+inline const KernelKindInfo& kernel_kind_info(KernelKind kind) { return *kernel_kind_info(static_cast<int32_t>(kind)); }
+
+// One compiled kernel instance.
+struct KernelInstance {
+  KernelKind kind;
+  ElementType dtype;
+  Major major_a, major_b;
+  int stages;
+};
+// What this build compiled (CMake option JAX_HOPPER_EXPERIMENTAL_KERNELS adds the
+// ablation and experimental instances to the default ones).
+std::vector<KernelInstance> compiled_instances();
 
 // Compile-time kernel parameters that are selectable at run time (each choice is an
-// explicit instantiation listed in instances.def).
+// instance listed in jax_hopper/_kernels.py).
 struct KernelChoice {
   KernelKind kind = KernelKind::kPersistent;
   int stages = 4;
 };
 // Rows of C summed into one row of GemmArgs::column_sums (one consumer warpgroup's).
 constexpr int64_t kColumnSumRows = 64;
-// The backward form's ring depth (instances.def): its staged operand takes the shared
-// memory of a fourth stage (config.cuh: kStagedOperand).
-constexpr int kFusedGradStages = 3;
 
 struct Status {
   enum Code { kOk, kInvalidArgument, kInternal } code = kOk;
@@ -152,6 +157,12 @@ struct Status {
   static Status Internal(std::string m) { return {kInternal, std::move(m)}; }
   bool ok() const { return code == kOk; }
 };
+
+// The FFI's `kernel` attribute (a KernelKind value) as the kind that `target` launches;
+// unknown values and kinds of another target are refused.
+Status kernel_kind_for_target(int32_t id, const std::string& target, KernelKind* kind);
+// The FFI's `activation` attribute (an Activation value).
+Status activation_of(int32_t id, Activation* activation);
 
 // Enqueues C = A * B on `stream`. Validates the arguments, handles empty problems
 // (K == 0 writes zeros) and reports any CUDA error; never synchronises.

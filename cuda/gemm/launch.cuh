@@ -12,6 +12,9 @@
 #include "gemm/config.cuh"
 #include "gemm/gemm.h"
 #include "gemm/kernel.cuh"
+#include "gemm/scheduler/split_k.cuh"
+#include "gemm/scheduler/stream_k.cuh"
+#include "gemm/scheduler/tile_scheduler.cuh"
 #include "hopper/tensor_map.h"
 
 namespace jax_hopper {
@@ -62,7 +65,7 @@ Status encode_subtile_map(CUtensorMap* map, const GemmArgs& args, const void* ba
   constexpr int64_t kAlign = 16;
   // Rows of N x bytes a multiple of 16 too: with a padded ld (a 16-byte multiple) and
   // f32 N = 131 or f16 N = 255, a review helper saw the TMA store write one element per
-  // row past N into the padding on an H200 (BENCHMARKS.md, session of 2026-12-04 04:36).
+  // row past N into the padding on an H200.
   // jax_hopper's own calls have ld = N, for which this adds nothing.
   *usable = Cfg::kTmaStoreEpilogue && reinterpret_cast<uintptr_t>(base) % kAlign == 0 && ld * bytes % kAlign == 0 &&
             args.n * bytes % kAlign == 0 && (args.batch == 1 || batch_stride * bytes % kAlign == 0);
@@ -191,10 +194,10 @@ Status prepare_stream_k(const GemmArgs& args, cudaStream_t stream, WorkList* wor
   return st;
 }
 
-// Split K (the small-M kind): how many pieces each tile's K range is cut into. Measured
-// (BENCHMARKS.md, session of 2026-12-03 17:49): a wave of pieces costs its longest piece
-// plus kPieceOverheadKTiles K tiles' worth of time (each further wave of shorter pieces
-// added 3.7-9 us, about 3-8 K tiles of one CTA's streaming). Where the tiles fit one
+// Split K (the small-M kind): how many pieces each tile's K range is cut into. Measured:
+// a wave of pieces costs its longest piece plus kPieceOverheadKTiles K tiles' worth of
+// time (each further wave of shorter pieces added 3.7-9 us, about 3-8 K tiles of one
+// CTA's streaming). Where the tiles fit one
 // wave: the most pieces that still do, floor(CTAs / tiles) (at 16x8192x8192: 4 pieces,
 // 38 us, against 42-48 us with 2-4 waves). With more tiles than CTAs (wide N; not
 // measured), of the piece counts that fill w = 1 .. kMaxSplitKWaves waves (w = 1: a
@@ -252,11 +255,10 @@ inline int split_k_pieces(int64_t tiles, int k_tiles, int resident) {
 // resident in clusters than alone: of the piece counts from the one-wave rule's down to
 // 2, the first whose clusters all fit at once is taken. Measured on an H200, clusters
 // against the global workspace: long pieces stream B at full bandwidth, so fewer of them
-// cost nothing and the cheaper sum wins (session of 2026-12-03 22:47: N = K = 8192, 64
-// tiles, 3 pieces of 43 K tiles in clusters against 4 of 32, M = 16 38.3 vs 39.1 us,
-// M = 64 40.3 vs 45.5). Short pieces lost in clusters while piece 0 summed the tile
-// alone; since every piece sums its own columns they win too (session of 2026-12-04
-// 04:36, CUDA events per launch: 16x4096x4096 7 of 10 K tiles 17.2 us against 8 of 8
+// cost nothing and the cheaper sum wins (N = K = 8192, 64 tiles, 3 pieces of 43 K
+// tiles in clusters against 4 of 32: M = 16 38.3 vs 39.1 us, M = 64 40.3 vs 45.5). Short pieces lost in clusters while piece 0 summed the tile
+// alone; since every piece sums its own columns they win too (CUDA events per launch:
+// 16x4096x4096 7 of 10 K tiles 17.2 us against 8 of 8
 // through global memory 20.1; 16x5120x4096 5 against 6, 19.3 vs 22.2). Drops of more
 // than one piece (80-88 tiles: 3 pieces -> 2, as an H200 holds 79 clusters of 3) are
 // unmeasured. Otherwise (more pieces than a cluster holds, more tiles than clusters) the
@@ -421,11 +423,11 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
                          static_cast<int>(args.n), args.c_f32, paired, tma_store, args.bias, args.residual,
                          args.residual != nullptr ? args.ld_residual : 0, paired_inputs, args.activation,
                          args.column_sums};
-  const SchedulerOf<Cfg> scheduler{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
+  const TileOrderOf<Cfg> order{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
                                    static_cast<int>(ceil_div(args.n, Cfg::kBlockN)), static_cast<int>(args.batch)};
   const int k_tiles = static_cast<int>(ceil_div(args.k, Cfg::kBlockK));
 
-  int64_t ctas = scheduler.num_tiles() * Cfg::kClusterM;  // V5: one CTA per tile
+  int64_t ctas = order.num_tiles() * Cfg::kClusterM;  // V5: one CTA per tile
   if constexpr (Cfg::kStreamK) {
     ctas = resident;  // every cluster takes a share of the tail
   } else if constexpr (Cfg::kPersistent) {
@@ -433,11 +435,11 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   }
   int pieces = 1;
   if constexpr (Cfg::kSplitK) {
-    pieces = split_k_pieces(scheduler.num_tiles(), k_tiles, resident);
-    ctas = scheduler.num_tiles() * pieces;
+    pieces = split_k_pieces(order.num_tiles(), k_tiles, resident);
+    ctas = order.num_tiles() * pieces;
   }
   if (ctas > kMaxGridX) return Status::Invalid("too many output tiles for one launch");
-  WorkList work{scheduler.num_tiles(), ctas / Cfg::kClusterM, k_tiles, false, Cfg::kMaxSplitsPerTile, pieces};
+  WorkList work{order.num_tiles(), ctas / Cfg::kClusterM, k_tiles, false, Cfg::kMaxSplitsPerTile, pieces};
   work.a_box_rows = a_box_rows;
   StreamKParams stream_k{nullptr, nullptr};
   int cluster_size = Cfg::kClusterM;
@@ -462,12 +464,12 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t config = launch_config<Cfg>(ctas, cluster_size, kSmem, stream, &attr);
   config.numAttrs = cluster_size > 1 ? 1 : 0;  // no cluster attribute for clusters of one
-  return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, tmap_c, out, work, scheduler, stream_k,
+  return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, tmap_c, out, work, order, stream_k,
                                         tmap_d, tile_counter),
                      "gemm kernel launch");
 }
 
-// The symbol each generated translation unit instantiates (see instances.def).
+// The symbol each generated translation unit instantiates (instance.cu.in).
 template <KernelKind kKind, ElementType kType, Major kMajorA, Major kMajorB, int kStages>
 Status launch_gemm_instance(const GemmArgs& args, cudaStream_t stream) {
   return launch_gemm<GemmConfig<kKind, typename ElementOf<kType>::type, kMajorA, kMajorB, kStages>>(args, stream);

@@ -5,7 +5,8 @@
 
 #include "gemm/config.cuh"
 #include "gemm/pipeline.cuh"
-#include "gemm/tile_scheduler.cuh"
+#include "gemm/scheduler/tile_order.cuh"
+#include "gemm/shared_storage.cuh"
 #include "gemm/timeline.cuh"
 #include "hopper/tma.cuh"
 #include "hopper/warpgroup.cuh"

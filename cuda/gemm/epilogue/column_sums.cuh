@@ -23,7 +23,7 @@ namespace jax_hopper {
 template <class Cfg>
 struct ColumnSums {
   // wgmma's f32 fragment: thread t holds columns 8j + 2 (t % 4) + {0, 1} of each 8-column
-  // block j, in rows r and r + 8 (epilogue.cuh: DirectStoreEpilogue).
+  // block j, in rows r and r + 8 (direct_store.cuh).
   static constexpr int kColsPerBlock = 8;
   static constexpr int kSubtileCols = Cfg::kStoreRowBytes / static_cast<int>(sizeof(typename Cfg::Element));  // 64
   static constexpr int kBlocksPerSubtile = kSubtileCols / kColsPerBlock;                                     // 8

@@ -1,98 +1,20 @@
-// Partial sums handed between CTAs: through a global workspace, or (split K in a
-// cluster) through distributed shared memory. Stream-K tail (tile_scheduler.cuh:
-// WorkList): a contributor hands its partial accumulator to the finisher of the tile,
-// one flag per (cluster, CTA rank, consumer warpgroup). Split K (the small-M kind):
-// SplitKReduce below. Each thread stores and loads its own
-// accumulator registers as float4s laid out [vector][thread], so both sides coalesce.
-// A warp's accumulators are 16 rows of the warpgroup's 64 (wgmma's m64 layout); in the
-// small-M kind, warps whose rows all lie past M (M = 16 uses one warp of four) move
-// nothing. (Not in the 2-warpgroup stream-K kind: the check costs it a spill at its
-// 168-register cap, and its tail tiles are full ones.)
+// Split K's sum of a tile's pieces (the small-M kind, work_list.cuh: SplitKCursor).
 #pragma once
 #include <cstdint>
 
 #include "gemm/config.cuh"
-#include "gemm/epilogue.cuh"
+#include "gemm/epilogue/direct_store.cuh"
+#include "gemm/epilogue/output.cuh"
+#include "gemm/scheduler/stream_k.cuh"
+#include "gemm/scheduler/work_list.cuh"
+#include "gemm/shared_storage.cuh"
 #include "gemm/timeline.cuh"
-#include "gemm/tile_scheduler.cuh"
 #include "hopper/async_copy.cuh"
 #include "hopper/cluster.cuh"
 #include "hopper/flag.cuh"
 #include "hopper/warpgroup.cuh"
 
 namespace jax_hopper {
-
-struct StreamKParams {
-  float4* workspace;  // kSlotVectors float4 per slot; null when the tail is not split
-  uint32_t* flags;    // one per slot, zeroed before the launch
-};
-
-template <class Cfg>
-struct StreamKFixup {
-  static constexpr int kVectors = Cfg::kAccumulators / 4;  // float4s per thread
-  static constexpr int kSlotVectors = kVectors * hopper::kWarpgroupSize;
-  static constexpr int kSlotsPerCluster = Cfg::kClusterM * Cfg::kConsumerWarpgroups;
-  static constexpr uint32_t kPublished = 1;
-
-  // Workspace bytes / flags for `clusters` clusters (host side).
-  static constexpr size_t workspace_bytes(int64_t clusters) {
-    return static_cast<size_t>(clusters) * kSlotsPerCluster * kSlotVectors * sizeof(float4);
-  }
-  static constexpr size_t flag_count(int64_t clusters) { return static_cast<size_t>(clusters) * kSlotsPerCluster; }
-
-  __device__ static int64_t slot(int64_t cluster, int rank, int warpgroup) {
-    return (cluster * Cfg::kClusterM + rank) * Cfg::kConsumerWarpgroups + warpgroup;
-  }
-
-  // Whether this thread's warp holds any of the `rows` rows left inside M.
-  __device__ static bool warp_has_rows(int rows) {
-    if constexpr (!Cfg::kSmallM) return true;
-    constexpr int kRowsPerWarp = Cfg::kWarpgroupM / hopper::kWarpsPerWarpgroup;
-    return hopper::thread_in_warpgroup() / hopper::kWarpSize * kRowsPerWarp < rows;
-  }
-
-  // Adds one float4 of a partial sum to accumulators 4v .. 4v + 3.
-  __device__ static void add_vector(float (&acc)[Cfg::kAccumulators], int v, float4 x) {
-    acc[4 * v] += x.x;
-    acc[4 * v + 1] += x.y;
-    acc[4 * v + 2] += x.z;
-    acc[4 * v + 3] += x.w;
-  }
-
-  // This thread's accumulators into / added from a partial-sum slot ([vector][thread]).
-  __device__ static void store_partial(const float (&acc)[Cfg::kAccumulators], float4* dst, int rows) {
-    const int t = hopper::thread_in_warpgroup();
-    if (!warp_has_rows(rows)) return;
-#pragma unroll
-    for (int v = 0; v < kVectors; ++v)
-      dst[v * hopper::kWarpgroupSize + t] = make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
-  }
-  __device__ static void add_partial(float (&acc)[Cfg::kAccumulators], const float4* src, int rows) {
-    const int t = hopper::thread_in_warpgroup();
-    if (!warp_has_rows(rows)) return;
-#pragma unroll
-    for (int v = 0; v < kVectors; ++v)
-      add_vector(acc, v, __ldcg(src + v * hopper::kWarpgroupSize + t));  // L2: written by another SM
-  }
-
-  __device__ static void publish(const float (&acc)[Cfg::kAccumulators], const StreamKParams& p, int64_t cluster,
-                                 int rank, int warpgroup, int rows) {
-    const int64_t s = slot(cluster, rank, warpgroup);
-    store_partial(acc, p.workspace + s * kSlotVectors, rows);
-    __threadfence();  // each thread's stores before the barrier, then one release for all
-    hopper::named_barrier_sync(Cfg::kFirstEpilogueBarrier + warpgroup, hopper::kWarpgroupSize);
-    if (hopper::thread_in_warpgroup() == 0) hopper::flag_release(&p.flags[s], kPublished);
-  }
-
-  // Adds the partial sum of `cluster`'s same rank and warpgroup, once published.
-  __device__ static void accumulate(float (&acc)[Cfg::kAccumulators], const StreamKParams& p, int64_t cluster,
-                                    int rank, int warpgroup, int rows) {
-    const int64_t s = slot(cluster, rank, warpgroup);
-    if (hopper::thread_in_warpgroup() == 0) hopper::flag_wait(&p.flags[s], kPublished);
-    hopper::named_barrier_sync(Cfg::kFirstEpilogueBarrier + warpgroup, hopper::kWarpgroupSize);
-    add_partial(acc, p.workspace + s * kSlotVectors, rows);
-  }
-};
 
 // Split K (the small-M kind, one CTA per piece of a tile's K range). Two ways to sum a
 // tile's pieces, both in piece order, so the bits do not depend on which CTA finishes
@@ -110,7 +32,7 @@ struct StreamKFixup {
 //   waits. The workspace is the stream-K kind's
 //   (StreamKParams: `flags` holds one counter per tile). This sum is on the kernel's
 //   critical path for the last tiles, and slot by slot it took an L2 round trip per
-//   piece (about 1 us each, measured: BENCHMARKS.md). So the slots are gathered a batch
+//   piece (about 1 us each, measured). So the slots are gathered a batch
 //   at a time into the ring's shared memory by cp.async (no register per load in
 //   flight), each thread fetching and reading back only its own elements: one round
 //   trip per batch.
@@ -202,7 +124,7 @@ struct SplitKReduce {
   // those columns of C; a second barrier keeps every ring alive until all have read.
   // Summed by piece 0 alone, all P - 1 partial sums crossed into one SM, 1.4-2.9 us after
   // the last mainloop (distributed shared memory moved 10-25 GB/s into it; a bulk push
-  // instead of loads was no faster: BENCHMARKS.md, session of 2026-12-04 04:36). Here each
+  // instead of loads was no faster). Here each
   // SM takes in (P - 1) / P of one partial sum.
   __device__ static void reduce_in_cluster(const float (&acc)[Cfg::kAccumulators], const WorkList& work,
                                            const WorkUnit& unit, SharedStorage<Cfg>& smem, int warpgroup,
@@ -237,11 +159,11 @@ struct SplitKReduce {
   // This piece's columns of the tile: every load first (kPieces per element, at most
   // ceil(kVectors / kPieces) elements per thread), then the sums in piece order and the
   // stores. Element e of the piece's slice is vector v, thread u of the partial-sum layout:
-  // C rows r and r + 8, columns c and c + 1 of the wgmma fragment (DirectStoreEpilogue).
+  // C rows r and r + 8, columns c and c + 1 of the wgmma fragment (DirectStore).
   template <int kPieces>
   __device__ static void sum_columns(float4* ring, int piece, int threads, const OutputParams& out, int batch,
                                      int row0, int col0) {
-    using Direct = DirectStoreEpilogue<Cfg>;
+    using Direct = DirectStore<Cfg>;
     constexpr int kPerThread = (kVectors + kPieces - 1) / kPieces;
     const int first = piece * kVectors / kPieces * threads;  // the slice's first element
     const int count = ((piece + 1) * kVectors / kPieces) * threads - first;
