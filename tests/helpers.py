@@ -140,3 +140,20 @@ F32_ACT = {
     "gelu_exact": lambda z: jax.nn.gelu(z, approximate=False),
     "silu": lambda z: z * jax.nn.sigmoid(z),
 }
+
+
+def require_compiled(kind, dtype=None, stages=None):
+    """Skips unless this build compiled the kind (at these stages, for this dtype):
+    ablations and experiments build only with -DJAX_HOPPER_EXPERIMENTAL_KERNELS=ON."""
+    import pytest
+
+    from jax_hopper import _ffi, _kernels
+
+    names = {"float16": "f16", "bfloat16": "bf16"}
+    dtype_name = None if dtype is None else names[jnp.dtype(dtype).name]
+    if not any(name == kind and (dtype_name is None or inst.dtype == dtype_name) and
+               (stages is None or inst.stages == stages) for name, inst in _ffi.compiled_instances()):
+        experimental = all(i.experimental for i in _kernels.KIND_BY_NAME[kind].instances
+                           if (dtype_name is None or i.dtype == dtype_name) and (stages is None or i.stages == stages))
+        why = " (experimental: build with -DJAX_HOPPER_EXPERIMENTAL_KERNELS=ON)" if experimental else ""
+        pytest.skip(f"{kind} {dtype_name or ''} {stages or ''} is not compiled in this build{why}")

@@ -3,7 +3,8 @@
 // scrubbed before every launch (a read-only pass over 2x L2, so no dirty lines are left
 // to write back under the kernel), and prints per-event spreads relative to the first
 // CTA's start, plus the launch's CUDA-event time. Not part of the library.
-//   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda --expt-relaxed-constexpr \
+//   mkdir -p /tmp/jh/gemm && python3 jax_hopper/_kernels.py header /tmp/jh/gemm/kernel_kinds.h
+//   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda -I/tmp/jh --expt-relaxed-constexpr \
 //     tools/decode_timeline.cu cuda/hopper/tensor_map.cc -o /tmp/decode_timeline
 //   /tmp/decode_timeline 16x4096x4096 16x8192x8192
 // (-DPROBE_STAGES=N builds the kind with an N-stage ring instead of the library's 4.)

@@ -298,7 +298,7 @@ def test_exact_gelu_lower_tail_elementwise(hopper):
     value that must come out right, not 0. The bound per element, each term from the
     arithmetic:
     - one bf16 ulp, 2^-7 relative: rounding once costs up to half of it (2^-8), the f32
-      value rounded is within 8e-6 relative of the truth (epilogue.cuh's normal_cdf);
+      value rounded is within 8e-6 relative of the truth (epilogue/activations.cuh: normal_cdf);
     - f32 summation order: the kernel's z may differ from the reference's by
       dz = K u sum|x||w| (+ u |z| for the bias add), which moves act by |act'(z)| dz and
       act' by |act''(z)| dz; the backward form's product likewise, times |act'(z)|;

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import f32_reference, relative_error, run_into_poison, run_into_poisons, seed_normal
+from helpers import f32_reference, relative_error, require_compiled, run_into_poison, run_into_poisons, seed_normal
 
 import jax_hopper
 
@@ -70,8 +70,9 @@ def test_output_is_written_into_the_poisoned_buffer(hopper):
     assert not bool(jnp.isnan(out).any())
 
 
-# Every selectable kernel besides the default: the seed's V5 at its depths, and the
-# default's ablations (cuda/gemm/instances.def).
+# Every selectable kernel besides the default: the seed's V5 at its depths, the small-M
+# kind, and the default's ablations and experiments (those where the build has them:
+# jax_hopper/_kernels.py marks them experimental).
 SELECTABLE = [("v5", 2, jnp.float16), ("v5", 3, jnp.float16), ("v5", 4, jnp.float16), ("v5", 4, jnp.bfloat16),
               ("persistent_basic", 4, jnp.float16), ("persistent_tma", 4, jnp.float16),
               ("persistent_wait0", 4, jnp.float16), ("persistent_immediate", 4, jnp.float16),
@@ -87,6 +88,7 @@ SELECTABLE = [("v5", 2, jnp.float16), ("v5", 3, jnp.float16), ("v5", 4, jnp.floa
 def test_selectable_kernels_are_correct(hopper, kernel, stages, dtype, shape):
     from jax_hopper.primitives.gemm import gemm
 
+    require_compiled(kernel, dtype, stages)
     m, n, k = shape
     a, b = _inputs(m, n, k, dtype, seed=stages)
     out, _ = run_into_poison(lambda x, y: gemm(x, y, kernel=kernel, stages=stages), (m, n), dtype, a, b)
@@ -117,6 +119,7 @@ DEFERRED_STORE_SHAPES = [(8192, 8192, 64), (4160, 4096, 192), (300, 8704, 200), 
 def test_deferred_store_edges(hopper, shape, kernel, dtype):
     from jax_hopper.primitives.gemm import gemm
 
+    require_compiled(kernel, dtype)
     *lead, m, n, k = shape
     ka, kb = jax.random.split(jax.random.key(m + n + k))
     a, b = seed_normal(ka, (*lead, m, k), dtype, k), seed_normal(kb, (*lead, k, n), dtype, k)
@@ -137,7 +140,7 @@ def _assert_every_element_within_an_ulp(out, a, b_kn, dtype):
 
 # C rows TMA cannot store (a row of ldc 16-bit elements not a multiple of 16 bytes): the
 # deferred store copies each staged sub-tile out with the warpgroup's own stores
-# (epilogue.cuh: copy_out), one 4-byte pair per lane where the pair is aligned in C
+# (epilogue/deferred_store.cuh: copy_out), one 4-byte pair per lane where the pair is aligned in C
 # (every other row of an odd N), two 2-byte halves elsewhere, masked at N and M. Odd N
 # with several tiles per CTA and one K tile (the flush stores three of four sub-tiles);
 # N ending inside a sub-tile on either half of a pair (1001: the last lane's pair is
@@ -150,8 +153,7 @@ UNALIGNED_C_SHAPES = [(8192, 8191, 64), (300, 8199, 200), (4160, 1001, 520), (12
                       (3, 1000, 2002, 136)]
 
 
-# B [N, K] only for the default kind: the ablations are compiled for B [K, N] alone
-# (instances.def).
+# B [N, K] only for the default kind: the ablations are compiled for B [K, N] alone.
 UNALIGNED_C_KERNELS = [("persistent", jnp.float16, False), ("persistent", jnp.bfloat16, False),
                        ("persistent", jnp.float16, True), ("persistent", jnp.bfloat16, True),
                        ("persistent_static", jnp.float16, False), ("persistent_wait0", jnp.float16, False),
@@ -165,6 +167,7 @@ UNALIGNED_C_KERNELS = [("persistent", jnp.float16, False), ("persistent", jnp.bf
 def test_output_rows_tma_cannot_store(hopper, shape, kernel, dtype, transpose_b):
     from jax_hopper.primitives.gemm import gemm
 
+    require_compiled(kernel, dtype)
     *lead, m, n, k = shape
     ka, kb = jax.random.split(jax.random.key(m * n + k))
     a = seed_normal(ka, (*lead, m, k), dtype, k)
@@ -206,6 +209,8 @@ def test_pingpong_turns_with_one_k_tile_and_tiles_past_m(hopper, shape):
     # together), and an odd number of 128-row tiles (the last cluster's second CTA has
     # its units past M, passed through without MMAs) amid many units per CTA.
     from jax_hopper.primitives.gemm import gemm
+
+    require_compiled("persistent_pingpong")
 
     m, n, k = shape
     a, b = _inputs(m, n, k, jnp.float16, seed=11)
@@ -347,6 +352,8 @@ def test_stream_k_tail_is_correct_and_deterministic(hopper, shape):
     same on every call (8192^3: 1024 cluster tiles on 66 clusters leave a tail of 34)."""
     from jax_hopper.primitives.gemm import gemm
 
+    require_compiled("persistent_streamk")
+
     m, n, k = shape
     a, b = _inputs(m, n, k, jnp.float16, seed=7)
     f = jax.jit(lambda x, y: gemm(x, y, kernel="persistent_streamk"))
@@ -364,6 +371,8 @@ def test_stream_k_really_splits_the_tail(hopper):
     outputs must show in their last bit. (Until the workspace alignment fix, XLA gave no
     workspace and the kind quietly ran whole tiles: the default kernel's exact bits.)"""
     from jax_hopper.primitives.gemm import gemm
+
+    require_compiled("persistent_streamk")
 
     a, b = _inputs(256, 8192, 8192, jnp.float16, seed=8)  # 32 tiles on 66 clusters: all tail
     split = np.asarray(jax.jit(lambda x, y: gemm(x, y, kernel="persistent_streamk"))(a, b))
