@@ -97,7 +97,8 @@ HISTORY = [
     (r"\b20\d\d-\d\d-\d\d\b", "a date"),
     (r"\bsession\b", "a session"),
     (r"BENCHMARKS\.md", "the removed session log"),
-    (r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b", "a commit hash"),
+    # seven or more hex digits with two letters among them, not part of a number or name
+    (r"(?<![\w.])(?=[0-9a-f]*[a-f][0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?!\w)", "a commit hash"),
 ]
 
 
