@@ -3,7 +3,8 @@ every kernel kind, f16/bf16, 16-bit and f32 outputs, transposed layouts, a batch
 
 import jax
 import jax.numpy as jnp
-from jax_hopper._primitive import gemm
+
+from jax_hopper.primitives.gemm import gemm
 
 CASES = [  # (kernel, dtype, batch, m, n, k, transpose_a, transpose_b, out_dtype)
     ("v5", jnp.float16, 0, 129, 257, 72, False, False, None),
@@ -77,7 +78,7 @@ for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_tanh"), (jnp.b
 # The backward form, dz = (g @ w^T) * act'(z), with and without the bias gradient summed
 # in its epilogue, on partial tiles (M, N past a tile; odd K: g and w padded) and on
 # 256 tiles, about two per CTA (the column-sum scratch reused from tile to tile).
-from jax_hopper._fused import fused_activation_grad  # noqa: E402
+from jax_hopper.primitives.dense_grad import fused_activation_grad  # noqa: E402
 
 for dtype, (m, n, k), act, bias_grad in [(jnp.float16, (129, 264, 72), "gelu_exact", True),
                                          (jnp.bfloat16, (100, 104, 103), "relu", False),
@@ -93,7 +94,7 @@ for dtype, (m, n, k), act, bias_grad in [(jnp.float16, (129, 264, 72), "gelu_exa
 
 # The derivative form, act(x w + b) and act'(x w + b) as two TMA-stored outputs, on
 # partial tiles (M, N past a tile; odd K: x and w padded).
-from jax_hopper._fused import fused_dense_with_derivative  # noqa: E402
+from jax_hopper.primitives.dense_derivative import fused_dense_with_derivative  # noqa: E402
 
 for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_exact"), (jnp.bfloat16, (300, 520, 103), "silu"),
                               (jnp.float16, (2100, 2048, 72), "gelu_tanh")]:  # ticketed

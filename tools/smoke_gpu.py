@@ -5,7 +5,8 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jax_hopper._primitive import gemm
+
+from jax_hopper.primitives.gemm import gemm
 
 ok = True
 for kernel in ("persistent", "v5"):
