@@ -22,7 +22,7 @@ from jax_hopper import _compat, _ffi, _kernels
 from jax_hopper import _partitioning as part
 from jax_hopper._problem import TMA_ROW_MULTIPLE, fits_kernel, numeric
 from jax_hopper._reference import dense_with_derivative_like_jnp, dense_with_derivative_reference
-from jax_hopper.primitives.gemm import NOT_MAPPED, layer_aval, pad_for_tma, to_front
+from jax_hopper.primitives.gemm import NOT_MAPPED, jvp_of_reference, layer_aval, pad_for_tma, to_front
 
 dense_derivative_p = Primitive("jax_hopper_dense_with_derivative")
 dense_derivative_p.multiple_results = True
@@ -71,19 +71,8 @@ mlir.register_lowering(dense_derivative_p, part.local_only_lowering(_cuda_impl, 
                        platform="cuda")
 
 
-def _jvp(primals, tangents, *, activation, has_bias):
-    """The kernel's values; the tangents of the reference arithmetic (act', act'' by jax)."""
-    outs = dense_derivative_p.bind(*primals, activation=activation, has_bias=has_bias)
-    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-
-    def reference(x, w, b):
-        return dense_with_derivative_reference(x, w, b if has_bias else None, activation=activation)
-
-    _, douts = jax.jvp(reference, primals, tangents)
-    return outs, list(douts)
-
-
-ad.primitive_jvps[dense_derivative_p] = _jvp
+# The kernel's values; the tangents of the reference arithmetic (second order by jax).
+ad.primitive_jvps[dense_derivative_p] = jvp_of_reference(dense_derivative_p, _xla_impl)
 
 
 def _batch_rule(args, dims, *, activation, has_bias):

@@ -26,7 +26,7 @@ from jax_hopper import _compat, _ffi, _kernels
 from jax_hopper import _partitioning as part
 from jax_hopper._problem import TMA_ROW_MULTIPLE, fits_kernel, numeric
 from jax_hopper._reference import activation_grad_with_bias_grad_reference, row_sum
-from jax_hopper.primitives.gemm import KERNEL_DTYPES, NOT_MAPPED, pad_for_tma, to_front
+from jax_hopper.primitives.gemm import KERNEL_DTYPES, NOT_MAPPED, jvp_of_reference, pad_for_tma, to_front
 
 dense_grad_p = Primitive("jax_hopper_dense_activation_grad")
 dense_grad_p.multiple_results = True
@@ -77,19 +77,8 @@ mlir.register_lowering(dense_grad_p, part.local_only_lowering(_cuda_impl, _xla_i
                        platform="cuda")
 
 
-def _jvp(primals, tangents, *, activation, bias_grad):
-    """The kernel's values; the tangents of the reference arithmetic (act'' by jax)."""
-    outs = dense_grad_p.bind(*primals, activation=activation, bias_grad=bias_grad)
-    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-
-    def reference(g, w, z):
-        return activation_grad_with_bias_grad_reference(g, w, z, activation=activation, bias_grad=bias_grad)
-
-    _, douts = jax.jvp(reference, primals, tangents)
-    return outs, list(douts)
-
-
-ad.primitive_jvps[dense_grad_p] = _jvp
+# The kernel's values; the tangents of the reference arithmetic (second order by jax).
+ad.primitive_jvps[dense_grad_p] = jvp_of_reference(dense_grad_p, _xla_impl)
 
 
 def _batch_rule(args, dims, *, activation, bias_grad):

@@ -408,6 +408,18 @@ def jvp_where_moving(f, primals, tangents, zero_type, like):
     return jax.jvp(of_moving, [primals[i] for i in moving], [tangents[i] for i in moving])
 
 
+def jvp_of_reference(primitive, reference):
+    """A JVP rule for a multiple-result primitive: its kernel's values, and the tangents of
+    `reference` (the same arithmetic through XLA, with the primitive's signature)."""
+    def jvp(primals, tangents, **params):
+        outs = primitive.bind(*primals, **params)
+        tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+        _, douts = jax.jvp(functools.partial(reference, **params), tuple(primals), tangents)
+        return outs, list(douts)
+
+    return jvp
+
+
 def _gradient(ct, other, product, dtype):
     """product(c, other, out_dtype) with the cotangent as the backward products use it: in
     the operands' type `dtype` as is; f32 of bf16 split into two bf16 parts; f32 of f16
