@@ -157,3 +157,10 @@ def require_compiled(kind, dtype=None, stages=None):
                            if (dtype_name is None or i.dtype == dtype_name) and (stages is None or i.stages == stages))
         why = " (experimental: build with -DJAX_HOPPER_EXPERIMENTAL_KERNELS=ON)" if experimental else ""
         pytest.skip(f"{kind} {dtype_name or ''} {stages or ''} is not compiled in this build{why}")
+
+
+def slow(value, id=None):
+    """A parameter whose case runs in the slow tier only (`pytest -m slow`)."""
+    import pytest
+
+    return pytest.param(value, id=id, marks=pytest.mark.slow)

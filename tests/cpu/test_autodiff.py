@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import hopper_devices, relative_error
+from helpers import hopper_devices, relative_error, slow
 from jax import lax
 
 import jax_hopper
@@ -48,7 +48,7 @@ def _grads(dot_general, a, b, w, dims, preferred=None):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float16, id="f16"), slow(jnp.bfloat16, "bf16")])
 @pytest.mark.parametrize("preferred", [None, jnp.float32], ids=["out16", "out32"])
 def test_grads_match_jnp(layout, dtype, preferred):
     a_shape, b_shape, dims = LAYOUTS[layout]

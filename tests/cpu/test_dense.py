@@ -216,7 +216,7 @@ def test_a_bias_with_one_value_per_column_in_another_shape_is_fused(bias_shape):
     assert db.shape == b.shape and bool((db.reshape(24) == db_vector).all())
 
 
-@pytest.mark.parametrize("policy", ["auto", "kernel"])
+@pytest.mark.parametrize("policy", ["kernel", pytest.param("auto", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bias_shape,residual_shape", [
     ((16, 1), None), ((16, 24), None), ((3, 16, 24), None),  # per row, per element, a larger result
     ((24,), (24,)), ((24,), (1, 24)), ((24,), (3, 1, 24)), ((1, 1, 24), None),  # residual broadcast; more dims

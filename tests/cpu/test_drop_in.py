@@ -300,7 +300,7 @@ def test_matmul_with_a_scalar_raises_jnp_error():
 @pytest.mark.parametrize("a_shape,b_shape", [((16, 24), (1024, 24, 8)), ((1024, 16, 24), (24, 8)),
                                              ((1, 16, 24), (1024, 24, 8)), ((24,), (1024, 24, 8)),
                                              ((256, 1, 16, 24), (1, 16, 24, 8)), ((1024, 16, 24), (1, 24, 8))])
-@pytest.mark.parametrize("policy", ["auto", "kernel"])
+@pytest.mark.parametrize("policy", ["kernel", pytest.param("auto", marks=pytest.mark.slow)])
 def test_matmul_gradients_over_a_broadcast_batch_stay_rounding_level(a_shape, b_shape, policy):
     """matmul(W, x [B, K, N]): W is broadcast over B, and its gradient sums B per-batch
     gradients. Summed in f16 (the broadcast's transpose in W's type) that was 7x jnp's
@@ -404,7 +404,8 @@ def test_vmap_over_a_product_with_two_batch_dims_matches_jnp(in_axes):
     assert relative_error(ours, exact) <= 1.5 * relative_error(exact.astype(ours.dtype), exact) + 1e-6
 
 
-@pytest.mark.parametrize("layout", VMAP_LAYOUTS)
+@pytest.mark.parametrize("layout", [name if name in ("NN", "leading dims", "batched") else
+                                    pytest.param(name, marks=pytest.mark.slow) for name in VMAP_LAYOUTS])
 def test_vmap_over_either_operand_matches_jnp(layout):
     """vmap over the lhs, the rhs or both, at axis 0 or 1, 16-bit and f32 results: the
     batching rule's folds (v into M or N) and broadcasts give jnp's product."""

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ACTIVATIONS, F32_ACT, ULP, cuda_text, decided, full_f32, relative_error, seed_normal
+from helpers import ACTIVATIONS, F32_ACT, ULP, cuda_text, decided, full_f32, relative_error, seed_normal, slow
 from layer_cases import (
     ARGNUMS,
     ERROR_FACTOR,
@@ -42,7 +42,7 @@ from jax_hopper.primitives.dense_derivative import fused_dense_with_derivative
 # Policy "kernel" binds the backward form (on a CPU its reference arithmetic runs).
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float16, id="f16"), slow(jnp.bfloat16, "bf16")])
 def test_gradients(activation, dtype, policy):
     operands = block_operands((2, 40), 24, 72, dtype, seed=3)
     with jax_hopper.dispatch(policy):
@@ -52,7 +52,7 @@ def test_gradients(activation, dtype, policy):
 
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
 @pytest.mark.parametrize("activation", [a for a in ACTIVATIONS if a])
-@pytest.mark.parametrize("f", [72, 36], ids=["F72", "F36"])
+@pytest.mark.parametrize("f", [pytest.param(72, id="F72"), pytest.param(36, id="F36", marks=pytest.mark.slow)])
 def test_gradients_with_the_saved_derivative(activation, policy, f):
     """The saved-derivative form (act'(z1) kept instead of z1; the backward multiplies).
     F = 36 is not a multiple of 8: act and act' come from XLA's pass, and the backward
@@ -237,7 +237,7 @@ def test_second_order_gradient(policy, saved):
 @pytest.mark.parametrize("policy", ["auto", "kernel"])
 @pytest.mark.parametrize("activation,saved", [(a, False) for a in ACTIVATIONS] + [(a, True) for a in ACTIVATIONS if a],
                          ids=[str(a) for a in ACTIVATIONS] + [f"{a}-saved_act'" for a in ACTIVATIONS if a])
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float16, id="f16"), slow(jnp.bfloat16, "bf16")])
 def test_forward_mode(activation, dtype, policy, saved):
     """jax.jvp through the block: its tangent map evaluated forward (dispatched products,
     act' or the saved act'(z1) by XLA), as accurate as jnp's block's jvp (same rule as

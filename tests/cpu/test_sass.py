@@ -18,6 +18,9 @@ import pytest
 import jax_hopper
 from jax_hopper import _ffi
 
+# Disassembling the whole extension takes tens of seconds: the slow tier.
+pytestmark = pytest.mark.slow
+
 V5_SIGNATURE = [
     "HGMMA.64x256x16.F32",  # wgmma m64n256k16, f32 accumulate
     "UTMALDG",  # TMA loads

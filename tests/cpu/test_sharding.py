@@ -985,7 +985,7 @@ MESHLESS_WEIGHT_CASES = {  # name: (x shape, x spec, which of w1, b1, w2 are sha
 }
 
 
-@pytest.mark.parametrize("policy", ["auto", "kernel"])
+@pytest.mark.parametrize("policy", ["kernel", pytest.param("auto", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", sorted(MESHLESS_WEIGHT_CASES))
 def test_explicit_gradients_of_weights_without_a_mesh_follow_jnp(case, policy):
     """Weights made before entering the mesh (no mesh in their type) next to x sharded on
