@@ -65,7 +65,7 @@ def _inputs(case):
 _PROGRAM = textwrap.dedent("""
     import json, sys
     import numpy as np
-    sys.path.insert(0, sys.argv[1])
+    sys.path[:0] = sys.argv[1].split(":")
     import jax, jax.numpy as jnp
     from helpers import run_into_poison
     import test_split_k_gpu as t
@@ -94,7 +94,8 @@ OVERRIDES = ("JAX_HOPPER_SPLIT_K_CLUSTER", "JAX_HOPPER_SPLIT_K_PIECES", "JAX_HOP
 def split_outputs(hopper_module, tmp_path_factory):
     """{(path, P): {case name: f32 copy of the output}}, one process per (path, P), run
     side by side."""
-    tests_dir = str(pathlib.Path(__file__).resolve().parent)
+    here = pathlib.Path(__file__).resolve().parent
+    tests_dir = f"{here}:{here.parent}"  # this module, and tests/ with the shared helpers
     tmp = tmp_path_factory.mktemp("split_k")
     # This process holds XLA's memory pool; the children allocate as they go.
     base = {k: v for k, v in os.environ.items() if k not in OVERRIDES}
