@@ -3,7 +3,7 @@
 # (default: $OUT, else ./device-out). Extra benchmark arguments come from BENCH_ARGS,
 # extra pytest arguments from PYTEST_ARGS (split on spaces), a -k expression from
 # PYTEST_K, test paths from TESTS (default: tests/gpu, then tests/cpu, which on a Hopper
-# runs our kernel), pytest-xdist workers per file from TEST_WORKERS (default 4);
+# runs our kernel), pytest-xdist workers per file from TEST_WORKERS (default 2: the reliability tests each hold several GB);
 # SANITIZE=1 adds the compute-sanitizer pass,
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those out; TEST_TIMEOUT (s, default 900) bounds the
 # tests, each file of which runs in its own process and leaves $LOG/<file>.log (with its
@@ -57,7 +57,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     left=$((deadline - $(date +%s)))
     if [ "$left" -le 0 ]; then echo "$name: NOT RUN (TEST_TIMEOUT reached)"; rc=1; continue; fi
     XLA_FLAGS="${TEST_XLA_FLAGS:-${XLA_FLAGS:-}}" JAX_HOPPER_REQUIRE_GPU=1 timeout "$left" \
-      python3 -m pytest "$f" -q -ra --durations=10 --capture=sys -n "${TEST_WORKERS:-4}" ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} \
+      python3 -m pytest "$f" -q -ra --durations=10 --capture=sys -n "${TEST_WORKERS:-2}" ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} \
       >"$LOG/$name.log" 2>&1
     test_rc=$?
     summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)" "$LOG/$name.log" | tail -1)
