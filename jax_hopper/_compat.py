@@ -74,3 +74,11 @@ def match_varying_axes(*xs):
         return jax.lax.pvary(x, tuple(sorted(missing)))
 
     return tuple(vary(x, union - a) for x, a in zip(xs, axes))
+
+
+def trace_context():
+    """The configuration a trace depends on (jax's jit key: the config options in it, the
+    mesh in context, the axis environment), hashable; None where jax has no such value
+    (then nothing is cached on it)."""
+    context = getattr(_jax_config, "trace_context", None)
+    return None if context is None else context()

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_hopper import _dispatch
+from jax_hopper import _compat, _dispatch
 from jax_hopper import _partitioning as part
 from jax_hopper._problem import numeric
 from jax_hopper.primitives import gemm
@@ -49,16 +49,80 @@ def describe(x) -> str:
     return type(x).__name__
 
 
+# ---- trace-time caches -----------------------------------------------------------------
+# A product's check and plan depend only on its operands' types, its static arguments and
+# the trace context (config, mesh, axis environment): computed once per such key, where
+# everything in it hashes. Errors are not cached.
+CACHE_SIZE = 4096
+
+
+def _type_key(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return ("struct", x.shape, x.dtype, x.weak_type, x.sharding)
+    return jax.typeof(x)
+
+
+def cache_key(*static, operands):
+    """A hashable key for a trace-time result, or None (then it is computed, not cached)."""
+    context = _compat.trace_context()
+    if context is None:
+        return None
+    try:
+        key = (static, tuple(_type_key(x) for x in operands), context)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def cached(store: dict, key, compute):
+    if key is None:
+        return compute()
+    if key not in store:
+        if len(store) >= CACHE_SIZE:
+            store.clear()
+        store[key] = compute()
+    return store[key]
+
+
+_CHECKED: dict = {}
+_PLANNED: dict = {}
+_PROMOTED: dict = {}
+
+
 def check(name, fn, lhs, rhs):
     """jax's own validation and result type for fn(lhs, rhs), with both operands named."""
+    if isinstance(fn, functools.partial):
+        static = (fn.func, fn.args, tuple(sorted(fn.keywords.items())))
+    else:
+        static = (fn,)
+    return cached(_CHECKED, cache_key(*static, operands=(lhs, rhs)), lambda: _check(name, fn, lhs, rhs))
+
+
+def _check(name, fn, lhs, rhs):
+    return naming_errors(name, lhs, rhs, lambda: jax.eval_shape(fn, _struct(lhs), _struct(rhs)))
+
+
+def naming_errors(name, lhs, rhs, thunk):
+    """thunk(), its TypeError or ValueError re-raised with our function and operands named."""
     try:
-        return jax.eval_shape(fn, _struct(lhs), _struct(rhs))
+        return thunk()
     except (TypeError, ValueError) as err:
         try:
             named = type(err)(f"jax_hopper.{name}({describe(lhs)}, {describe(rhs)}): {err}")
         except Exception:  # an error type whose constructor takes something else
             raise err from None
         raise named from None
+
+
+# What jax's products take as operands (tracers are jax.Arrays). Anything else goes to
+# jax's own function, which raises its error (named as ours) or converts it (`__jax_array__`).
+JAX_OPERANDS = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def jax_operands(lhs, rhs, abstract_ok=False) -> bool:
+    kinds = JAX_OPERANDS + ((jax.ShapeDtypeStruct,) if abstract_ok else ())
+    return isinstance(lhs, kinds) and isinstance(rhs, kinds)
 
 
 def is_array(x, abstract_ok=False) -> bool:
@@ -100,8 +164,12 @@ def _check_accumulation(name, accumulation, lhs, rhs, precision, preferred_eleme
                              f"{jnp.dtype(preferred_element_type).name} asks for wider ones")
 
 
-def _index_tuples(dimension_numbers):
-    """dot_general's dimension numbers with each entry a tuple, as jax normalises them."""
+def _index_tuples(dimension_numbers, lhs, rhs):
+    """dot_general's dimension numbers with each entry a tuple, as jax normalises them.
+    None (which jax takes for operands of rank 1 or 2, once its check has passed): lhs's
+    last dim against rhs's first."""
+    if dimension_numbers is None:
+        return ((np.ndim(lhs) - 1,), (0,)), ((), ())
     (lc, rc), (lb, rb) = dimension_numbers
     return tuple(tuple((d,) if isinstance(d, (int, np.integer)) else tuple(d) for d in pair)
                  for pair in ((lc, rc), (lb, rb)))
@@ -112,6 +180,11 @@ def _plan(lhs, rhs, dims, out_dtype, weak, precision, abstract_ok=False):
     """gemm's plan for a validated dot_general, or None where it is not eligible: a weak
     result (only jax's function keeps it), other dtypes, a precision algorithm, symbolic
     shapes, or a fold explicit mesh axes do not allow."""
+    return cached(_PLANNED, cache_key(dims, out_dtype, weak, precision, abstract_ok, operands=(lhs, rhs)),
+                  lambda: _plan_uncached(lhs, rhs, dims, out_dtype, weak, precision, abstract_ok))
+
+
+def _plan_uncached(lhs, rhs, dims, out_dtype, weak, precision, abstract_ok):
     if weak or not (is_array(lhs, abstract_ok) and is_array(rhs, abstract_ok)):
         return None
     if not numeric(*np.shape(lhs), *np.shape(rhs)):
@@ -151,9 +224,11 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
                                out_sharding=out_sharding)
     fn = functools.partial(lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
                            preferred_element_type=preferred_element_type)
+    if not jax_operands(lhs, rhs):
+        return naming_errors("dot_general", lhs, rhs, lambda: fn(lhs, rhs))
     out = check("dot_general", fn, lhs, rhs)
-    return _product(lhs, rhs, _index_tuples(dimension_numbers), out.dtype, out.weak_type, precision=precision,
-                    preferred_element_type=preferred_element_type, accumulation=accumulation)
+    return _product(lhs, rhs, _index_tuples(dimension_numbers, lhs, rhs), out.dtype, out.weak_type,
+                    precision=precision, preferred_element_type=preferred_element_type, accumulation=accumulation)
 
 
 def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
@@ -165,8 +240,12 @@ def dispatch_path(lhs, rhs, dimension_numbers, precision=None, preferred_element
     _check_accumulation("dispatch_path", accumulation, lhs, rhs, precision, preferred_element_type)
     fn = functools.partial(lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
                            preferred_element_type=preferred_element_type)
+    if not jax_operands(lhs, rhs, abstract_ok=True):
+        naming_errors("dispatch_path", lhs, rhs, lambda: fn(lhs, rhs))  # jax's error for what it does not take
+        return NOT_ELIGIBLE
     out = check("dot_general", fn, lhs, rhs)
-    plan = _plan(lhs, rhs, _index_tuples(dimension_numbers), out.dtype, out.weak_type, precision, abstract_ok=True)
+    dims = _index_tuples(dimension_numbers, lhs, rhs)
+    plan = _plan(lhs, rhs, dims, out.dtype, out.weak_type, precision, abstract_ok=True)
     if plan is None:
         return NOT_ELIGIBLE
     decision = _decide(plan, lhs.dtype, out.dtype, accumulation)
@@ -185,6 +264,15 @@ def _promote(a, b, preferred_element_type):
     weak result; a non-floating type; a conversion that would change a value (jnp does not
     convert: lax.dot_general takes the operands as given); mixed operands that lax would
     convert to preferred_element_type inexactly; a pair jax does not promote."""
+    dtype = cached(_PROMOTED, cache_key(preferred_element_type, operands=(a, b)),
+                   lambda: _promoted_type(a, b, preferred_element_type))
+    if dtype is None:
+        return None
+    return tuple(x if isinstance(x, jax.Array) and x.dtype == dtype and not jax.typeof(x).weak_type
+                 else jnp.asarray(x, dtype) for x in (a, b))
+
+
+def _promoted_type(a, b, preferred_element_type):
     try:
         dtype, weak = jax.dtypes.result_type(a, b, return_weak_type_flag=True)
     except jax.dtypes.TypePromotionError:
@@ -198,8 +286,7 @@ def _promote(a, b, preferred_element_type):
     if (preferred_element_type is not None and jnp.result_type(a) != jnp.result_type(b)
             and not converts_exactly(jnp.dtype(preferred_element_type), a, b)):
         return None
-    return tuple(x if isinstance(x, jax.Array) and x.dtype == dtype and not jax.typeof(x).weak_type
-                 else jnp.asarray(x, dtype) for x in (a, b))
+    return dtype
 
 
 def dot(a, b, *, precision=None, preferred_element_type=None, out_sharding=None, accumulation="f32"):
@@ -209,6 +296,8 @@ def dot(a, b, *, precision=None, preferred_element_type=None, out_sharding=None,
     fn = functools.partial(jnp.dot, precision=precision, preferred_element_type=preferred_element_type)
     if out_sharding is not None:
         return fn(a, b, out_sharding=out_sharding)
+    if not jax_operands(a, b):
+        return naming_errors("dot", a, b, lambda: fn(a, b))
     out = check("dot", fn, a, b)
     promoted = None if np.ndim(a) == 0 or np.ndim(b) == 0 else _promote(a, b, preferred_element_type)
     if promoted is None:
@@ -233,10 +322,9 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=No
     fn = functools.partial(jnp.matmul, precision=precision, preferred_element_type=preferred_element_type)
     if out_sharding is not None:
         return fn(a, b, out_sharding=out_sharding)
+    if not jax_operands(a, b):
+        return naming_errors("matmul", a, b, lambda: fn(a, b))
     out = check("matmul", fn, a, b)  # jax's errors first (a scalar operand: its ValueError)
-    if not (is_array(a) and is_array(b)):
-        raise TypeError(f"jax_hopper.matmul: operands must be jax or numpy arrays, got "
-                        f"{type(a).__name__} and {type(b).__name__}")
     promoted = _promote(a, b, preferred_element_type)
     if promoted is None:
         return fn(a, b)
@@ -270,12 +358,12 @@ def _batch_specs(x, count):
     return (None,) * (count - len(spec)) + spec
 
 
-def _matmul_as_dot_general(a, b, product, jnp_matmul, decide_batched):
-    """jnp.matmul's decomposition into one dot_general where `a` holds every batch dim: a
-    batch dim in both operands (same size and sharding) is a batch dim of the product; one
-    of `a`'s that `b` lacks or has as 1 is a free dim of `a`, folded into M (no broadcast
-    copy of b; a's sharding of it stays); size-1 dims of both are squeezed and restored.
-    Where `b` has batch dims `a` lacks: _matmul_broadcast."""
+def _matmul_as_dot_general(a, b, product, jnp_matmul, decide_batched, broadcast=True):
+    """jnp.matmul's decomposition into one dot_general: a batch dim in both operands (same
+    size and sharding) is a batch dim of the product; one that only one operand has (or
+    has as other than 1) is a free dim of that operand, folded into its M or N (no
+    broadcast copy; its sharding stays); size-1 dims of both are squeezed and restored.
+    Where `b` has batch dims `a` lacks and `broadcast` is set: _matmul_broadcast."""
     a_is_mat, b_is_mat = a.ndim > 1, b.ndim > 1
     a_dims = a.shape[:-2] if a_is_mat else ()
     b_dims = b.shape[:-2] if b_is_mat else ()
@@ -307,15 +395,15 @@ def _matmul_as_dot_general(a, b, product, jnp_matmul, decide_batched):
             idx_batch.append(i)
         else:  # jnp's check refuses these first
             raise ValueError(f"Incompatible types for matmul arguments: {jax.typeof(a)} and {jax.typeof(b)}")
-    if idx_b_other:  # b's own batch dims beside N
+    if idx_b_other and broadcast:  # b's own batch dims beside N
         return _matmul_broadcast(a, b, product, jnp_matmul, decide_batched)
     if a_is_mat:
         idx_a_other.append(nb)
     if b_is_mat:
         idx_b_other.append(nb + a_is_mat)
     perm = tuple(int(p) for p in np.argsort(np.concatenate([idx_batch, idx_a_other, idx_b_other]).astype(int)))
-    a = lax.squeeze(a, tuple(a_squeeze))
-    b = lax.squeeze(b, tuple(b_squeeze))
+    a = lax.squeeze(a, tuple(a_squeeze)) if a_squeeze else a
+    b = lax.squeeze(b, tuple(b_squeeze)) if b_squeeze else b
     out = product(a, b, (((a.ndim - 1,), (b.ndim - 1 - b_is_mat,)), (tuple(a_batch), tuple(b_batch))))
     if perm != tuple(range(len(perm))):
         out = lax.transpose(out, perm)
@@ -325,13 +413,11 @@ def _matmul_as_dot_general(a, b, product, jnp_matmul, decide_batched):
 
 
 def _broadcast_batch(x, batch, specs):
-    """x [..., R, C] broadcast to [*batch, R, C], through f32: its transpose (x's gradient)
-    then sums the per-batch gradients in f32 and rounds once. Under explicit mesh axes the
-    copy takes the batch dims' shardings `specs` (the other operand's)."""
+    """x [..., R, C] broadcast to [*batch, R, C]. Under explicit mesh axes the copy takes
+    the batch dims' shardings `specs` (the other operand's)."""
     if tuple(x.shape[:-2]) == tuple(batch):
         return x
-    wide = jnp.promote_types(x.dtype, jnp.float32)
-    y = jnp.broadcast_to(x.astype(wide), tuple(batch) + x.shape[-2:]).astype(x.dtype)
+    y = jnp.broadcast_to(x, tuple(batch) + x.shape[-2:])
     own = part.value_spec(x)
     if own is not None and any(specs):
         # A mesh axis names one dim: x's row and column dims give up those the batch dims take.
@@ -345,7 +431,12 @@ def _matmul_broadcast(a, b, product, jnp_matmul, decide_batched):
     """matmul where `b` has batch dims that `a` lacks (or has as 1): both broadcast to the
     common batch, one batched launch (jnp's decomposition would copy b transposed). Where
     the batched product would not run our kernel the broadcast buys nothing, and
-    `jnp_matmul` computes jnp's own program (partitioned as jnp's)."""
+    `jnp_matmul` computes jnp's own program (partitioned as jnp's).
+
+    The derivative of an operand that was broadcast is jnp's decomposition's: its
+    gradient is one product over the batch dims it lacks and its own contraction, summed
+    in f32 and rounded once (the batched launch's transpose would round each batch
+    entry's gradient to 16 bits before summing them, turning a finite sum infinite)."""
     a_vec, b_vec = a.ndim == 1, b.ndim == 1
     a2 = a[None, :] if a_vec else a
     b2 = b[:, None] if b_vec else b
@@ -358,10 +449,21 @@ def _matmul_broadcast(a, b, product, jnp_matmul, decide_batched):
         if decision is None or decision.path != "kernel":
             return jnp_matmul(a, b)
     specs = tuple(sa if sa is not None else sb for sa, sb in zip(_batch_specs(a2, nb), _batch_specs(b2, nb)))
-    a2, b2 = _broadcast_batch(a2, batch, specs), _broadcast_batch(b2, batch, specs)
-    out = product(a2, b2, dims, decision=decision)
-    if a_vec:
-        out = jnp.squeeze(out, axis=-2)
-    if b_vec:
-        out = jnp.squeeze(out, axis=-1)
-    return out
+
+    def batched(x, y):
+        x2 = x[None, :] if a_vec else x
+        y2 = y[:, None] if b_vec else y
+        out = product(_broadcast_batch(x2, batch, specs), _broadcast_batch(y2, batch, specs), dims,
+                      decision=decision)
+        if a_vec:
+            out = jnp.squeeze(out, axis=-2)
+        if b_vec:
+            out = jnp.squeeze(out, axis=-1)
+        return out
+
+    def decomposed(x, y):
+        return _matmul_as_dot_general(x, y, product, jnp_matmul, decide_batched, broadcast=False)
+
+    a_term = batched if tuple(a2.shape[:-2]) == batch else decomposed
+    b_term = batched if tuple(b2.shape[:-2]) == batch else decomposed
+    return gemm.bilinear(batched, (a_term, b_term), a, b, name=gemm.PRODUCT_NAME)

@@ -507,7 +507,20 @@ def _transpose_rhs(ct, a, b, *, transpose_a, transpose_b, out_dtype=None, kernel
     return _gradient(ct, a, prod, a.dtype)
 
 
+def _jvp(primals, tangents, **params):
+    """Bilinear: dC = dA op(B) + op(A) dB, each term the same kind. The value is named (a
+    remat policy's handle) here, where differentiated: jax has no transpose rule for a
+    name, and an undifferentiated product must stay transposable (jax.linear_transpose)."""
+    a, b = primals
+    out = gemm_p.bind(a, b, **params)
+    terms = [gemm_p.bind(*_compat.match_varying_axes(*((t, b) if i == 0 else (a, t))), **params)
+             for i, t in enumerate(tangents) if type(t) is not ad.Zero]
+    # A tangent must have its primal's type (a fresh direction may lack the explicit mesh axes).
+    return checkpoint_name(out, PRODUCT_NAME), part.in_type_of(functools.reduce(lambda p, q: p + q, terms), out)
+
+
 ad.defbilinear(gemm_p, _transpose_lhs, _transpose_rhs)
+ad.primitive_jvps[gemm_p] = _jvp
 transpose_lhs, transpose_rhs = _transpose_lhs, _transpose_rhs
 
 
@@ -648,19 +661,26 @@ def bind_planned(lhs, rhs, plan, out_dtype, kernel, rules=False):
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     a = lhs if plan.lhs_perm is None else jnp.transpose(lhs, plan.lhs_perm)
     b = rhs if plan.rhs_perm is None else jnp.transpose(rhs, plan.rhs_perm)
-    c = gemm(a.reshape(plan.lhs_shape), b.reshape(plan.rhs_shape), transpose_a=plan.transpose_a,
+    c = gemm(_reshaped(a, plan.lhs_shape), _reshaped(b, plan.rhs_shape), transpose_a=plan.transpose_a,
              transpose_b=plan.transpose_b, out_dtype=out_dtype, kernel=kernel, rules=rules)
-    return c.reshape(plan.out_shape)
+    return _reshaped(c, plan.out_shape)
+
+
+def _reshaped(x, shape):
+    return x if tuple(x.shape) == tuple(shape) else x.reshape(shape)
 
 
 def bilinear(product_fn, tangent_product, lhs, rhs, *, name=None):
     """product_fn(lhs, rhs) as a custom_jvp whose tangent is tangent_product(dlhs, rhs) +
-    tangent_product(lhs, drhs). With `name`, the value is named (a remat policy's handle)
-    only where it is differentiated: jax has no transpose rule for a name, and the
-    undifferentiated product must stay transposable (jax.linear_transpose)."""
+    tangent_product(lhs, drhs); a pair (for dlhs, for drhs) gives each term its own
+    product. With `name`, the value is named (a remat policy's handle) only where it is
+    differentiated: jax has no transpose rule for a name, and the undifferentiated product
+    must stay transposable (jax.linear_transpose)."""
+    lhs_term, rhs_term = tangent_product if isinstance(tangent_product, tuple) else (tangent_product,) * 2
+
     def jvp(primals, tangents):
         (x, y), (dx, dy) = primals, tangents
-        terms = [tangent_product(t, y) if i == 0 else tangent_product(x, t) for i, t in enumerate((dx, dy))
+        terms = [lhs_term(t, y) if i == 0 else rhs_term(x, t) for i, t in enumerate((dx, dy))
                  if not isinstance(t, SymbolicZero)]
         out = product_fn(x, y)
         if name is not None:
@@ -716,9 +736,7 @@ def dot_general(lhs, rhs, plan: GemmPlan, decision: Decision, out_dtype, fallbac
             return bilinear(fallback, functools.partial(bind_planned, plan=plan, out_dtype=out_dtype,
                                                         kernel=XLA_KERNEL), lhs, rhs)
         return fallback(lhs, rhs)
-    ours = functools.partial(bind_planned, plan=plan, out_dtype=out_dtype, kernel=decision.kind,
-                             rules=decision.by_rules)
-    return bilinear(ours, ours, lhs, rhs, name=PRODUCT_NAME)
+    return bind_planned(lhs, rhs, plan, out_dtype, decision.kind, rules=decision.by_rules)
 
 
 def matmul_rows(x, w):

@@ -302,12 +302,10 @@ def test_matmul_with_a_scalar_raises_jnp_error():
                                              ((256, 1, 16, 24), (1, 16, 24, 8)), ((1024, 16, 24), (1, 24, 8))])
 @pytest.mark.parametrize("policy", ["kernel", pytest.param("auto", marks=pytest.mark.slow)])
 def test_matmul_gradients_over_a_broadcast_batch_stay_rounding_level(a_shape, b_shape, policy):
-    """matmul(W, x [B, K, N]): W is broadcast over B, and its gradient sums B per-batch
-    gradients. Summed in f16 (the broadcast's transpose in W's type) that was 7x jnp's
-    error at B = 1024; summed in f32 and rounded once, each term carries one 16-bit
-    rounding of its own: two roundings where jnp's one contraction has one, at most
-    double its error. Where only x has B (x [B, M, K] @ W [1, K, N]), B folds into M as
-    in jnp (W is not broadcast) and W's gradient is one contraction."""
+    """matmul(W, x [B, K, N]): W is broadcast over B, and its gradient is one contraction
+    over B and N, summed in f32 and rounded once, as jnp's. Where only x has B
+    (x [B, M, K] @ W [1, K, N]), B folds into M as in jnp. The bound allows jnp's error
+    twice: a different f32 summation order may move a rounding."""
     ka, kb, kc = jax.random.split(jax.random.key(17), 3)
     a, b = _random(ka, a_shape, jnp.float16), _random(kb, b_shape, jnp.float16)
     ct = _random(kc, jnp.matmul(a, b).shape, jnp.float16)
@@ -323,6 +321,36 @@ def test_matmul_gradients_over_a_broadcast_batch_stay_rounding_level(a_shape, b_
     for g_ours, g_theirs, g_exact in zip(ours, theirs, exact):
         assert g_ours.shape == g_theirs.shape and g_ours.dtype == g_theirs.dtype
         assert relative_error(g_ours, g_exact) <= 2 * relative_error(g_theirs, g_exact)
+
+
+@pytest.mark.parametrize("scale,expected", [(-0.5, 6e4), (-1.0, 0.0)])
+@pytest.mark.parametrize("policy,out_dtype", [("kernel", None), ("auto", jnp.float32)])
+def test_broadcast_gradient_sums_once_in_f32(scale, expected, policy, out_dtype):
+    """a [2, 4] @ b [2, 4, 4]: each batch entry's gradient of `a` is 1.2e5 (past f16's
+    65504), their sum 6e4 or 0. Rounding each entry to f16 before the sum gave inf or nan;
+    one contraction over the batch gives jnp's finite answer, exactly (every sum here is
+    exact in f32). The tangent (forward mode) is jnp's too."""
+    a = jnp.ones((2, 4), jnp.float16)
+    b = jnp.stack([jnp.ones((4, 4)), scale * jnp.ones((4, 4))]).astype(jnp.float16)
+    out_type = jnp.float16 if out_dtype is None else out_dtype
+    ct = jnp.full((2, 2, 4), 3e4, out_type)
+
+    def ours(x, y):
+        return jax_hopper.matmul(x, y, preferred_element_type=out_dtype)
+
+    def theirs(x, y):
+        return jnp.matmul(x, y, preferred_element_type=out_dtype)
+
+    with jax_hopper.dispatch(policy):
+        grads = jax.jit(lambda x, y, c: jax.vjp(ours, x, y)[1](c))(a, b, ct)
+        tangent = jax.jit(lambda x, y: jax.jvp(ours, (x, y), (x, y))[1])(a, b)
+    expected_grads = jax.vjp(theirs, a, b)[1](ct)
+    np.testing.assert_array_equal(np.asarray(grads[0], np.float32), np.full((2, 4), expected, np.float32))
+    for g, g_jnp in zip(grads, expected_grads):
+        assert g.dtype == g_jnp.dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(g_jnp, np.float32))
+    np.testing.assert_array_equal(np.asarray(tangent, np.float32),
+                                  np.asarray(jax.jvp(theirs, (a, b), (a, b))[1], np.float32))
 
 
 @pytest.mark.parametrize("a_shape,b_shape", [((16, 24), (8, 24, 32)), ((24,), (8, 24, 32)),
