@@ -57,6 +57,13 @@ def per_product_us(fn, operand, length, repeats) -> float:
     return min(times) / length * 1e6
 
 
+def measured_commit() -> str:
+    """The commit of the jax_hopper measured: its own checkout's where it is imported from
+    one, else this checkout's (an installed build of it)."""
+    own = commit_of(pathlib.Path(jax_hopper.__file__).resolve().parent)
+    return own if own != "unknown" else commit_of(ROOT)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=256, help="square operands of this size")
@@ -81,7 +88,7 @@ def main(argv=None) -> int:
                       f"ours/jax {ours_us / jax_us:5.2f}")
     if args.json:
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "commit": commit_of(ROOT), "jax": jax.__version__, "python": platform.python_version(),
+                "commit": measured_commit(), "package": jax_hopper.__file__, "jax": jax.__version__, "python": platform.python_version(),
                 "machine": platform.processor() or platform.machine(), "backend": jax.default_backend(),
                 "command": " ".join(["tools/trace_cost.py", *(argv if argv is not None else sys.argv[1:])]),
                 "operands": f"{args.size}x{args.size} {args.dtype}", "products_per_chain": args.length,
