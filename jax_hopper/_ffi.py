@@ -20,8 +20,10 @@ else:
 
 
 def kernel_available() -> bool:
-    """True when the CUDA kernel was compiled into this installation."""
-    return _jax_hopper is not None
+    """True where products sent to the kernel run on it: it was compiled into this
+    installation, and neither the NVIDIA driver nor a visible GPU rules it out (where it
+    is False, they compute through XLA's dot, and the first one warns why)."""
+    return kernel_unavailable_reason() is None
 
 
 @functools.cache
@@ -76,11 +78,61 @@ def hopper_gpus_visible() -> bool:
         return False
 
 
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+@functools.cache
+def driver_reason() -> str | None:
+    """Why the installed NVIDIA driver cannot run this build's kernel, or None. The
+    extension links its CUDA runtime statically, which needs a driver of at least its
+    major version (with an older one every call would fail). None without a driver:
+    then no CUDA GPU is visible, and lowering for one from here targets Hopper."""
+    if _jax_hopper is None:
+        return None
+    driver, runtime = _jax_hopper.cuda_versions()
+    if driver == 0 or driver // 1000 >= runtime // 1000:
+        return None
+    return (f"the NVIDIA driver supports CUDA {_cuda_version(driver)}, older than the CUDA "
+            f"{_cuda_version(runtime)} runtime this build of jax_hopper links (it needs a driver for CUDA "
+            f"{runtime // 1000}.0 or newer; or rebuild it with a CUDA {driver // 1000} toolkit)")
+
+
 def kernel_unavailable_reason() -> str | None:
-    """Why a product sent to the kernel computes through XLA's dot here (not built, or a
-    CUDA GPU that is not a Hopper), or None where the kernel runs."""
+    """Why a product sent to the kernel computes through XLA's dot here (not built, a
+    driver too old for it, or a CUDA GPU that is not a Hopper), or None where it runs."""
     if not register():
         return missing_kernel_reason()
+    if (reason := driver_reason()) is not None:
+        return reason
     if not local_gpus_are_hopper():
         return "this CUDA GPU is not a Hopper (sm_90) GPU"
     return None
+
+
+# ---- the workspace -------------------------------------------------------------------------
+# Every FFI call's last result: bytes that XLA plans like any buffer (never returned to
+# the user), holding the dynamic order's ticket counter and a split's partial sums. Sized
+# for the lowering's GPU, or, lowering for CUDA from a machine without one, for an H100
+# or H200 (132 SMs); on another GPU the kernel fits its split into what it is given.
+DEFAULT_SMS = 132
+
+
+@functools.cache
+def lowering_sms() -> int:
+    """SMs of the GPUs this process lowers for (the largest of them), or DEFAULT_SMS."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return DEFAULT_SMS
+    return max((getattr(d, "core_count", 0) or DEFAULT_SMS for d in devices), default=DEFAULT_SMS)
+
+
+@functools.lru_cache(maxsize=1024)
+def workspace(kind: str, dtype: str, major_a: str, major_b: str, stages: int, batch: int, m: int, n: int,
+              k: int) -> jax.ShapeDtypeStruct:
+    """The workspace result of a call of `kind` on a problem of (batch, M, N, K) with
+    operands of `dtype` ("f16" or "bf16") in these majors ("K" or "MN")."""
+    size = _jax_hopper.workspace_bytes(_kernels.KIND_BY_NAME[kind].id, dtype, major_a, major_b, stages, batch, m, n,
+                                       k, lowering_sms())
+    return jax.ShapeDtypeStruct((size,), "uint8")

@@ -96,9 +96,9 @@ def parser_for(build: cases.Build) -> argparse.ArgumentParser:
                    "also time each variant's kernels one by one (CUPTI, median per kernel) and print them")
     p.add_argument("--lm-head", default="", help="comma-separated TOKENSxDMODELxVOCAB output layers: 16-bit "
                    "h and W, f32 logits, cross-entropy; the loss and its training step (gradients of h and W)")
-    p.add_argument("--chain", default="", help="comma-separated sizes N: one jitted chain of --chain-length "
-                   "dependent NxNxN products, ours vs jnp.dot; with short kernels its sustained time is the "
-                   "host's cost per product")
+    p.add_argument("--chain", default="", help="comma-separated sizes N or MxN: one jitted chain of "
+                   "--chain-length dependent products x[M, N] @ W[N, N] (M = N by default), ours vs jnp.dot; with "
+                   "short kernels its sustained time is the host's cost per product (MxN with a small M: decode)")
     p.add_argument("--chain-length", type=int, default=32, help="products per --chain program")
     p.add_argument("--json", help="write all rows and the run's meta to this results file (after every case)")
     p.add_argument("--plot", help="write a PNG bar chart of TF/s per case to this file")
@@ -185,8 +185,8 @@ def cases_of(args, build: cases.Build, p, say) -> list:
               for t in listed(args.dense) for d in dtypes for a in activations]
     specs += [cases.LmHeadCase(*sizes(t, "TOKENSxDMODELxVOCAB", "--lm-head", p), d)
               for t in listed(args.lm_head) for d in dtypes]
-    specs += [cases.ChainCase(*sizes(t, "N", "--chain", p), args.chain_length, d)
-              for t in listed(args.chain) for d in dtypes]
+    specs += [cases.ChainCase(n, args.chain_length, d, rows=m)
+              for t in listed(args.chain) for m, n in [sizes(t, "MxN", "--chain", p, cube=True)] for d in dtypes]
     specs += [cases.TpMlpCase(*sizes(t, "TOKENSxDMODELxDFF", "--tp-mlp", p), d, args.devices)
               for t in listed(args.tp_mlp) for d in dtypes]
     return specs

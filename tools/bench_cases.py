@@ -503,7 +503,8 @@ class LmHeadCase:
 @dataclasses.dataclass(frozen=True)
 class ChainCase:
     """The host side per call: one jitted program of `length` dependent products
-    x <- x @ W_i (size^3 each, so every kernel waits for the previous one), ours (kernel
+    x <- x @ W_i (x [rows, size], W_i [size, size]; rows = size by default; each kernel
+    waits for the previous one), ours (kernel
     forced, and the dispatcher's choice) against jnp.dot. Kernel time is the sum of the
     chain's kernels (CUPTI); sustained time is wall time over back-to-back calls, so where
     the kernels are short it shows what each product costs the host (the FFI handler:
@@ -513,17 +514,23 @@ class ChainCase:
     size: int
     length: int
     dtype: str
+    rows: int | None = None
     mode = "chain"
 
     @property
+    def m(self) -> int:
+        return self.size if self.rows is None else self.rows
+
+    @property
     def label(self) -> str:
-        return f"chain of {self.length} x {self.size}^3 {self.dtype}"
+        shape = f"{self.size}^3" if self.m == self.size else f"{self.m}x{self.size}x{self.size}"
+        return f"chain of {self.length} x {shape} {self.dtype}"
 
     def run(self, runner: Runner) -> list[dict]:
-        size, length = self.size, self.length
+        size, length, m = self.size, self.length, self.m
         dtype = DTYPES[self.dtype]
         keys = jax.random.split(jax.random.key(2), length + 1)
-        x = jax.random.normal(keys[0], (size, size), jnp.float32).astype(dtype)
+        x = jax.random.normal(keys[0], (m, size), jnp.float32).astype(dtype)
         # Unit-variance weights over sqrt(size) keep x at unit variance down the chain.
         weights = tuple((jax.random.normal(kk, (size, size), jnp.float32) / size**0.5).astype(dtype)
                         for kk in keys[1:])
@@ -537,9 +544,9 @@ class ChainCase:
 
         ours = chain(jax_hopper.matmul)
         fns = {"jax_hopper": kernel_forced(ours), "jax_hopper auto": auto(ours), "jnp": chain(jnp.dot)}
-        meta = {"batch": 0, "m": size, "n": size, "k": size, "layout": f"chain of {length}", "dtype": self.dtype}
-        problem = problem_of((size, size), (size, size), dtype, dtype, False, False)
-        rows = time_steps(runner, fns, x, weights, 2.0 * length * size**3, meta, auto_path=_decision(problem))
+        meta = {"batch": 0, "m": m, "n": size, "k": size, "layout": f"chain of {length}", "dtype": self.dtype}
+        problem = problem_of((m, size), (size, size), dtype, dtype, False, False)
+        rows = time_steps(runner, fns, x, weights, 2.0 * length * m * size**2, meta, auto_path=_decision(problem))
         for r in rows:  # per product, in microseconds
             r["kernel_us_per_product"] = r["kernel_ms"] * 1e3 / length
             r["sustained_us_per_product"] = r["sustained_ms"] * 1e3 / length

@@ -117,7 +117,8 @@ int main(int argc, char** argv) {
     args.lda = k;
     args.ldb = n;
     args.ldc = n;
-    args.allocate_workspace = [workspace](size_t bytes) { return bytes <= kWorkspaceBytes ? workspace : nullptr; };
+    args.workspace = workspace;
+    args.workspace_bytes = kWorkspaceBytes;
     std::vector<Run> runs;
     for (int rep = 0; rep < kReps; ++rep) {
       CHECK(cudaMemsetAsync(d_records, 0, kMaxCtas * sizeof(TimelineRecord), stream));

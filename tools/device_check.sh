@@ -12,6 +12,11 @@
 # is compile time, not correctness; never for the benchmark). Exits non-zero if a build,
 # smoke test, sanitizer tool or test fails. FUZZ_SECONDS=N adds N seconds of the
 # differential fuzz (tests/fuzz.py, seed FUZZ_SEED, default 0) after the tests.
+# BUILD_ARGS go to pip (e.g. "-C cmake.define.JAX_HOPPER_BOUNDED_WAITS=ON
+# -C cmake.define.JAX_HOPPER_EXPERIMENTAL_KERNELS=ON": the debug build the fuzz runs on
+# once per session, with every kind). BENCH_COMMAND_BUFFERS=1 runs the benchmark twice,
+# with XLA's command buffers as it sets them and with them off (bench.json and
+# bench_no_command_buffers.json).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${1:-${OUT:-$REPO/device-out}}
@@ -27,7 +32,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,po
 echo "commit: ${COMMIT:-unknown (set COMMIT)}" | tee "$LOG/commit.txt"
 
 start=$(date +%s)
-if ! (cd "$REPO" && python3 -m pip install --no-build-isolation --no-deps -v .) >"$LOG/build.log" 2>&1; then
+if ! (cd "$REPO" && python3 -m pip install --no-build-isolation --no-deps -v ${BUILD_ARGS:-} .) >"$LOG/build.log" 2>&1; then
   tail -60 "$LOG/build.log"
   exit 1
 fi
@@ -82,5 +87,10 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 900 python3 "$REPO/tools/bench.py" ${BENCH_ARGS:-} ${COMMIT:+--commit "$COMMIT"} --json "$LOG/bench.json" \
     2>"$LOG/bench.err" |
     tee "$LOG/bench.log"
+  if [ "${BENCH_COMMAND_BUFFERS:-0}" = 1 ]; then
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout 900 python3 "$REPO/tools/bench.py" \
+      ${BENCH_ARGS:-} ${COMMIT:+--commit "$COMMIT"} --json "$LOG/bench_no_command_buffers.json" \
+      2>"$LOG/bench_no_command_buffers.err" | tee "$LOG/bench_no_command_buffers.log"
+  fi
 fi
 exit $rc

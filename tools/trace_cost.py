@@ -88,7 +88,8 @@ def main(argv=None) -> int:
                       f"ours/jax {ours_us / jax_us:5.2f}")
     if args.json:
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "commit": measured_commit(), "package": jax_hopper.__file__, "jax": jax.__version__, "python": platform.python_version(),
+                "commit": measured_commit(), "package": jax_hopper.__file__, "jax": jax.__version__,
+                "python": platform.python_version(),
                 "machine": platform.processor() or platform.machine(), "backend": jax.default_backend(),
                 "command": " ".join(["tools/trace_cost.py", *(argv if argv is not None else sys.argv[1:])]),
                 "operands": f"{args.size}x{args.size} {args.dtype}", "products_per_chain": args.length,

@@ -4,9 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 #include <numeric>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -122,43 +120,30 @@ ffi::Error decode(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-// XLA's scratch memory for the call. It returns to XLA's allocator when the handler
-// returns, before the kernel enqueued here has run: safe as long as its next user is
-// ordered behind this stream's work, which holds for the compute stream XLA runs custom
-// calls on (a call placed on another stream would need the memory as a result buffer
-// of the custom call instead). A failed request is an error, not a fallback: the handler
-// reports it (an out-of-memory edge; it has not been seen). XLA refuses alignments above 16
-// bytes ("Unsupported alignment", ffi_api.cc: kMaxAlignment) -- with 256 here every
-// request failed and stream-K never split (measured on the H200); 16 is what the
-// workspace's float4s need.
-std::function<void*(size_t)> scratch_of(ffi::ScratchAllocator& scratch) {
-  constexpr size_t kWorkspaceAlignment = 16;
-  return [&scratch](size_t bytes) -> void* {
-    const std::optional<void*> memory = scratch.Allocate(bytes, kWorkspaceAlignment);
-    return memory.has_value() ? *memory : nullptr;
-  };
-}
-
-// Every handler ends here: the kind's launch with the call's scratch memory (the
-// dynamic order's ticket counter, split K's and stream-K's partial sums).
-ffi::Error run(const std::string& target, GemmArgs& args, KernelKind kind, int stages, ffi::ScratchAllocator& scratch,
-               cudaStream_t stream) {
-  args.allocate_workspace = scratch_of(scratch);
+// Every handler ends here: the kind's launch with the call's workspace, its last result
+// (the dynamic order's ticket counter, split K's and stream-K's partial sums), which XLA
+// plans like any buffer: it stays the call's until the kernel has run, whichever stream
+// XLA runs the call on, and nothing is allocated at run time (so XLA may capture the
+// call into a command buffer).
+ffi::Error run(const std::string& target, GemmArgs& args, KernelKind kind, int stages,
+               ffi::Result<ffi::AnyBuffer>& workspace, cudaStream_t stream) {
+  args.workspace = workspace->untyped_data();
+  args.workspace_bytes = workspace->size_bytes();
   KernelChoice choice;
   choice.kind = kind;
   choice.stages = stages;
   return to_ffi(target, gemm(args, choice, stream));
 }
 
-ffi::Error GemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                    ffi::Result<ffi::AnyBuffer> c, int32_t transpose_a, int32_t transpose_b, int32_t kernel,
-                    int32_t stages) {
+ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                    ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> workspace, int32_t transpose_a,
+                    int32_t transpose_b, int32_t kernel, int32_t stages) {
   const std::string target = "jax_hopper_gemm";
   GemmArgs args;
   if (ffi::Error err = decode(a, b, c, transpose_a, transpose_b, args); err.failure()) return err;
   KernelKind kind;
   if (const Status st = kernel_kind_for_target(kernel, target, &kind); !st.ok()) return to_ffi(target, st);
-  return run(target, args, kind, stages, scratch, stream);
+  return run(target, args, kind, stages, workspace, stream);
 }
 
 // The fused handlers' shared part: decode, a rank-2 b, c of the operands' type, and the
@@ -197,16 +182,16 @@ ffi::Error decode_residual(const std::string& target, ffi::AnyBuffer residual, f
 // The fused product C = act(A * B + bias) + residual: the contract of GemmImpl for a 2-D
 // b (a [M, K] or [..., M, K]) with an output of the operands' type, plus bias [N] and
 // residual (c's shape) of that type, each passed as an empty array when absent.
-ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a, ffi::AnyBuffer b,
+ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                          ffi::AnyBuffer bias, ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> c,
-                         int32_t transpose_a, int32_t transpose_b, int32_t activation) {
+                         ffi::Result<ffi::AnyBuffer> workspace, int32_t transpose_a, int32_t transpose_b, int32_t activation) {
   const std::string target = "jax_hopper_gemm_fused";
   GemmArgs args;
   if (ffi::Error err = decode_fused(target, a, b, c, transpose_a, transpose_b, activation, args); err.failure())
     return err;
   if (ffi::Error err = decode_bias(target, bias, a.element_type(), args); err.failure()) return err;
   if (ffi::Error err = decode_residual(target, residual, c, args); err.failure()) return err;
-  return run(target, args, KernelKind::kPersistentFused, kernel_kind_info(KernelKind::kPersistentFused).stages, scratch,
+  return run(target, args, KernelKind::kPersistentFused, kernel_kind_info(KernelKind::kPersistentFused).stages, workspace,
              stream);
 }
 
@@ -215,9 +200,9 @@ ffi::Error GemmFusedImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
 // with z (c's shape and type) in the residual's place and no bias, plus a second result
 // column_sums, f32 [ceil(M / 64), N]: C's column sums per 64 rows (a bias gradient,
 // summed over its rows by the caller), computed before C is rounded; empty for none.
-ffi::Error GemmFusedGradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a,
+ffi::Error GemmFusedGradImpl(cudaStream_t stream, ffi::AnyBuffer a,
                              ffi::AnyBuffer b, ffi::AnyBuffer z, ffi::Result<ffi::AnyBuffer> c,
-                             ffi::Result<ffi::AnyBuffer> column_sums,
+                             ffi::Result<ffi::AnyBuffer> column_sums, ffi::Result<ffi::AnyBuffer> workspace,
                              int32_t transpose_a, int32_t transpose_b, int32_t activation) {
   const std::string target = "jax_hopper_gemm_fused_grad";
   GemmArgs args;
@@ -236,14 +221,14 @@ ffi::Error GemmFusedGradImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
     args.column_sums = static_cast<float*>(column_sums->untyped_data());
   }
   return run(target, args, KernelKind::kPersistentFusedGrad,
-             kernel_kind_info(KernelKind::kPersistentFusedGrad).stages, scratch, stream);
+             kernel_kind_info(KernelKind::kPersistentFusedGrad).stages, workspace, stream);
 }
 
 // C = act(A * B + bias) and D = act'(A * B + bias): the contract of GemmFusedImpl with
 // no residual and no gradient form, plus the second result d of c's shape and type.
-ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a,
+ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::AnyBuffer a,
                                    ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> c,
-                                   ffi::Result<ffi::AnyBuffer> d,
+                                   ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace,
                                    int32_t transpose_a, int32_t transpose_b, int32_t activation) {
   GemmArgs args;
   const std::string target = "jax_hopper_gemm_fused_derivative";
@@ -256,7 +241,7 @@ ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::ScratchAllocator sc
                                        " and type, got " + shape_str(dd));
   args.derivative = d->untyped_data();
   return run(target, args, KernelKind::kPersistentFusedDerivative,
-             kernel_kind_info(KernelKind::kPersistentFusedDerivative).stages, scratch, stream);
+             kernel_kind_info(KernelKind::kPersistentFusedDerivative).stages, workspace, stream);
 }
 
 }  // namespace
@@ -265,50 +250,54 @@ ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::ScratchAllocator sc
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemm, jax_hopper::GemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()  // a
                                   .Arg<ffi::AnyBuffer>()  // b
                                   .Ret<ffi::AnyBuffer>()  // c
+                                  .Ret<ffi::AnyBuffer>()  // workspace
                                   .Attr<int32_t>("transpose_a")
                                   .Attr<int32_t>("transpose_b")
                                   .Attr<int32_t>("kernel")
-                                  .Attr<int32_t>("stages"));
+                                  .Attr<int32_t>("stages"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFused, jax_hopper::GemmFusedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()  // a
                                   .Arg<ffi::AnyBuffer>()  // b
                                   .Arg<ffi::AnyBuffer>()  // bias ([N] or empty)
                                   .Arg<ffi::AnyBuffer>()  // residual (c's shape, or empty)
                                   .Ret<ffi::AnyBuffer>()  // c
+                                  .Ret<ffi::AnyBuffer>()  // workspace
                                   .Attr<int32_t>("transpose_a")
                                   .Attr<int32_t>("transpose_b")
-                                  .Attr<int32_t>("activation"));
+                                  .Attr<int32_t>("activation"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFusedGrad, jax_hopper::GemmFusedGradImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()  // a
                                   .Arg<ffi::AnyBuffer>()  // b
                                   .Arg<ffi::AnyBuffer>()  // z (c's shape), or the saved act'(z)
                                   .Ret<ffi::AnyBuffer>()  // c = (a b) * act'(z)
                                   .Ret<ffi::AnyBuffer>()  // column_sums (f32 [ceil(M / 64), N], or empty)
+                                  .Ret<ffi::AnyBuffer>()  // workspace
                                   .Attr<int32_t>("transpose_a")
                                   .Attr<int32_t>("transpose_b")
-                                  .Attr<int32_t>("activation"));
+                                  .Attr<int32_t>("activation"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFusedDerivative, jax_hopper::GemmFusedDerivativeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()  // a
                                   .Arg<ffi::AnyBuffer>()  // b
                                   .Arg<ffi::AnyBuffer>()  // bias ([N] or empty)
                                   .Ret<ffi::AnyBuffer>()  // c = act(a b + bias)
                                   .Ret<ffi::AnyBuffer>()  // d = act'(a b + bias)
+                                  .Ret<ffi::AnyBuffer>()  // workspace
                                   .Attr<int32_t>("transpose_a")
                                   .Attr<int32_t>("transpose_b")
-                                  .Attr<int32_t>("activation"));
+                                  .Attr<int32_t>("activation"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -2,8 +2,13 @@
 #pragma once
 #include "xla/ffi/api/api.h"
 
+// Every handler's last result is its workspace: bytes that XLA plans and nobody reads,
+// at least workspace_bytes (module.cc: the extension's workspace_bytes) for the device
+// it was sized for. The handlers allocate nothing, so they are marked command-buffer
+// compatible: XLA may capture them into its CUDA graphs.
+
 // Operands: a, b (f16 or bf16, rank 2, or rank 3 with a leading batch dimension);
-// result: c [(batch,) M, N] of the same type or f32.
+// results: c [(batch,) M, N] of the same type or f32, the workspace.
 // Attributes: transpose_a (A stored [K, M]), transpose_b (B stored [N, K]),
 // kernel (a KernelKind value: jax_hopper/_kernels.py, Kind.id; a kind this target
 // launches), stages.

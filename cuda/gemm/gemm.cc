@@ -13,6 +13,8 @@ namespace jax_hopper {
 // Defined by the generated per-instance translation units (instance.cu.in).
 template <KernelKind kKind, ElementType kType, Major kMajorA, Major kMajorB, int kStages>
 Status launch_gemm_instance(const GemmArgs& args, cudaStream_t stream);
+template <KernelKind kKind, ElementType kType, Major kMajorA, Major kMajorB, int kStages>
+size_t workspace_bytes_instance(const GemmArgs& args, int sms);
 
 namespace {
 
@@ -24,18 +26,23 @@ constexpr KernelKindInfo kKinds[] = {
 static_assert(sizeof(kKinds) / sizeof(kKinds[0]) == kNumKernelKinds, "one entry per kind");
 
 using LaunchFn = Status (*)(const GemmArgs&, cudaStream_t);
+using WorkspaceFn = size_t (*)(const GemmArgs&, int);
 
-// Every instance of the table; `launch` is null for those this build left out.
+// Every instance of the table; `launch` and `workspace` are null for those this build
+// left out.
 struct Instance {
   KernelInstance key;
   LaunchFn launch;
+  WorkspaceFn workspace;
 };
 
 constexpr Instance kInstances[] = {
 #define JAX_HOPPER_GEMM_INSTANCE(K, T, A, B, S)                     \
   {{KernelKind::K, ElementType::T, Major::A, Major::B, S},          \
-   &launch_gemm_instance<KernelKind::K, ElementType::T, Major::A, Major::B, S>},
-#define JAX_HOPPER_ABSENT_INSTANCE(K, T, A, B, S) {{KernelKind::K, ElementType::T, Major::A, Major::B, S}, nullptr},
+   &launch_gemm_instance<KernelKind::K, ElementType::T, Major::A, Major::B, S>,  \
+   &workspace_bytes_instance<KernelKind::K, ElementType::T, Major::A, Major::B, S>},
+#define JAX_HOPPER_ABSENT_INSTANCE(K, T, A, B, S) \
+  {{KernelKind::K, ElementType::T, Major::A, Major::B, S}, nullptr, nullptr},
 #include "gemm/instances.inc"
 #undef JAX_HOPPER_GEMM_INSTANCE
 #undef JAX_HOPPER_ABSENT_INSTANCE
@@ -88,6 +95,27 @@ Status check_device() {
   return st;
 }
 
+// The compiled instance for this choice and these operands' type and layout.
+Status find_instance(const GemmArgs& args, const KernelChoice& choice, const Instance** found) {
+  const bool a_k_major = args.major_a == Major::kK, b_k_major = args.major_b == Major::kK;
+  const char* const name = kernel_kind_info(choice.kind).name;
+  const std::string what = std::string(name) + " kernel for " + (args.dtype == ElementType::kF16 ? "f16" : "bf16") +
+                           ", A " + (a_k_major ? "K" : "M") + "-major, B " + (b_k_major ? "K" : "N") +
+                           "-major, with " + std::to_string(choice.stages) + " stages";
+  for (const Instance& inst : kInstances) {
+    const KernelInstance& key = inst.key;
+    if (key.kind != choice.kind || key.dtype != args.dtype || key.major_a != args.major_a ||
+        key.major_b != args.major_b || key.stages != choice.stages)
+      continue;
+    if (inst.launch == nullptr)
+      return Status::Invalid("the " + what + " is an ablation or experimental instance, not compiled into this "
+                             "build: configure with -DJAX_HOPPER_EXPERIMENTAL_KERNELS=ON");
+    *found = &inst;
+    return Status::Ok();
+  }
+  return Status::Invalid("no compiled " + what + " (jax_hopper/_kernels.py lists the instances)");
+}
+
 }  // namespace
 
 const KernelKindInfo* kernel_kind_info(int32_t id) {
@@ -126,6 +154,9 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
     return Status::Invalid("batch, M, N and K must each be below 2^31");
   if (args.batch == 0 || args.m == 0 || args.n == 0) return Status::Ok();
   if (args.c == nullptr) return Status::Invalid("C is a null pointer");
+  constexpr uintptr_t kWorkspaceAlign = 16;  // the partial sums' float4s
+  if (args.workspace_bytes > 0 && reinterpret_cast<uintptr_t>(args.workspace) % kWorkspaceAlign != 0)
+    return Status::Invalid("the workspace is not 16-byte aligned");
   if (args.ldc < args.n) return Status::Invalid("C row length is shorter than N");
   if (args.batch > 1 && args.batch_stride_c < args.m * args.ldc) return Status::Invalid("C batch entries overlap");
   const size_t c_bytes = args.c_f32 ? sizeof(float) : 2;
@@ -197,22 +228,17 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
   st = check_device();
   if (!st.ok()) return st;
 
-  const KernelInstance wanted{choice.kind, args.dtype, args.major_a, args.major_b, choice.stages};
-  const char* const name = kernel_kind_info(choice.kind).name;
-  const std::string what = std::string(name) + " kernel for " + (args.dtype == ElementType::kF16 ? "f16" : "bf16") +
-                           ", A " + (a_k_major ? "K" : "M") + "-major, B " + (b_k_major ? "K" : "N") +
-                           "-major, with " + std::to_string(choice.stages) + " stages";
-  for (const Instance& inst : kInstances) {
-    const KernelInstance& key = inst.key;
-    if (key.kind != wanted.kind || key.dtype != wanted.dtype || key.major_a != wanted.major_a ||
-        key.major_b != wanted.major_b || key.stages != wanted.stages)
-      continue;
-    if (inst.launch == nullptr)
-      return Status::Invalid("the " + what + " is an ablation or experimental instance, not compiled into this "
-                             "build: configure with -DJAX_HOPPER_EXPERIMENTAL_KERNELS=ON");
-    return inst.launch(args, stream);
-  }
-  return Status::Invalid("no compiled " + what + " (jax_hopper/_kernels.py lists the instances)");
+  const Instance* inst = nullptr;
+  st = find_instance(args, choice, &inst);
+  if (!st.ok()) return st;
+  return inst->launch(args, stream);
+}
+
+Status workspace_bytes(const GemmArgs& args, const KernelChoice& choice, int sms, size_t* bytes) {
+  const Instance* inst = nullptr;
+  const Status st = find_instance(args, choice, &inst);
+  if (st.ok()) *bytes = inst->workspace(args, sms);
+  return st;
 }
 
 }  // namespace jax_hopper

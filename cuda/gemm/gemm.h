@@ -4,7 +4,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -76,9 +75,12 @@ struct GemmArgs {
     return bias != nullptr || residual != nullptr || activation != Activation::kNone || activation_grad ||
            derivative != nullptr;
   }
-  // Device memory that lives until the kernel has run on `stream` (the FFI handler's
-  // scratch allocator); null where nothing can be allocated. Used by the stream-K kind.
-  std::function<void*(size_t bytes)> allocate_workspace;
+  // The call's workspace, a buffer that lives until the kernel has run (a result of
+  // the custom call that XLA plans and nobody reads), 16-byte aligned, of at least
+  // workspace_bytes() for the device it was planned for: the dynamic order's ticket
+  // counter and the split kinds' partial sums. Nothing is allocated at run time.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 
 // The kernel kinds (KernelKind, generated; jax_hopper/_kernels.py says what each is for).
@@ -163,6 +165,12 @@ struct Status {
 Status kernel_kind_for_target(int32_t id, const std::string& target, KernelKind* kind);
 // The FFI's `activation` attribute (an Activation value).
 Status activation_of(int32_t id, Activation* activation);
+
+// The bytes of GemmArgs::workspace a call of this kind and shape needs on a device of
+// `sms` SMs (the shape's fields of `args` only). On another device the launch fits its
+// split into what it is given: a split K cuts fewer pieces; stream-K's tail (an
+// experimental kind) is an error if it does not fit.
+Status workspace_bytes(const GemmArgs& args, const KernelChoice& choice, int sms, size_t* bytes);
 
 // Enqueues C = A * B on `stream`. Validates the arguments, handles empty problems
 // (K == 0 writes zeros) and reports any CUDA error; never synchronises.

@@ -90,6 +90,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
       scheduler.end(pipe, st);
       Main::drain(pipe, st, Cfg::kStages - Scheduler::kEndStages);  // the end's stages are acquired already
     }
+    // The lane-0 code above diverged; the cluster barriers after it are .aligned.
+    if constexpr (Cfg::kClusterM > 1 || Cfg::kSplitK) __syncwarp();
     scheduler.producer_done();
   } else {  // a consumer warpgroup
     if constexpr (Cfg::kProducerWarpgroup) hopper::setmaxnreg_inc<Cfg::kConsumerRegisters>();

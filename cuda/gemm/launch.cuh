@@ -164,32 +164,41 @@ Status prepare_device(const void* kernel, size_t smem, int* resident) {
   return Status::Ok();
 }
 
-// The partial-sum workspace of a split (stream-K or split K) in the call's scratch
-// memory: `data_bytes` of slots, then `counters` uint32 flags or counters zeroed
-// (stream ordered before the launch).
-inline Status prepare_partial_sums(const GemmArgs& args, cudaStream_t stream, size_t data_bytes, size_t counters,
-                                   const char* what, StreamKParams* params) {
-  const size_t counter_bytes = counters * sizeof(uint32_t);
-  void* memory = args.allocate_workspace ? args.allocate_workspace(data_bytes + counter_bytes) : nullptr;
-  if (memory == nullptr)
-    return Status::Internal(std::string(what) + ": no workspace for the partial sums (" +
-                            std::to_string(data_bytes + counter_bytes) + " bytes)");
-  params->workspace = static_cast<float4*>(memory);
-  params->flags = reinterpret_cast<uint32_t*>(static_cast<char*>(memory) + data_bytes);
+// The call's workspace (GemmArgs::workspace), a buffer of XLA's plan: the dynamic
+// order's ticket counter in its first kCounterBytes, then the partial sums of a split
+// (stream-K's or split K's) and their flags or counters.
+constexpr size_t kCounterBytes = 16;  // keeps the partial sums' float4s aligned
+
+template <class Cfg>
+constexpr size_t partial_sums_offset() {
+  return Cfg::kDynamicTiles ? kCounterBytes : 0;
+}
+
+// The partial sums in the workspace: `data_bytes` of slots, then `counters` uint32 flags
+// or counters zeroed (stream ordered before the launch). False where they do not fit.
+template <class Cfg>
+Status prepare_partial_sums(const GemmArgs& args, cudaStream_t stream, size_t data_bytes, size_t counters,
+                            const char* what, StreamKParams* params) {
+  const size_t offset = partial_sums_offset<Cfg>(), counter_bytes = counters * sizeof(uint32_t);
+  if (args.workspace_bytes < offset + data_bytes + counter_bytes)
+    return Status::Invalid(std::string(what) + ": the workspace holds " + std::to_string(args.workspace_bytes) +
+                           " bytes, the partial sums need " + std::to_string(offset + data_bytes + counter_bytes));
+  char* memory = static_cast<char*>(args.workspace) + offset;
+  params->workspace = reinterpret_cast<float4*>(memory);
+  params->flags = reinterpret_cast<uint32_t*>(memory + data_bytes);
   return cuda_status(cudaMemsetAsync(params->flags, 0, counter_bytes, stream),
                      (std::string("zeroing ") + what + " counters").c_str());
 }
 
-// Stream-K tail: splits it when the last wave is partial, with a workspace for the
-// partial sums (plus zeroed flags) from the caller. No workspace is an error, not a
-// quiet fall-back to whole tiles: this kind exists to measure the split (a quiet
-// fall-back once hid that it never happened).
+// Stream-K tail: splits it when the last wave is partial, with the workspace's partial
+// sums (plus zeroed flags). Too small a workspace is an error, not a quiet fall-back to
+// whole tiles: this kind exists to measure the split.
 template <class Cfg>
 Status prepare_stream_k(const GemmArgs& args, cudaStream_t stream, WorkList* work, StreamKParams* params) {
   using Fixup = StreamKFixup<Cfg>;
   if (work->num_tiles % work->clusters == 0) return Status::Ok();
-  const Status st = prepare_partial_sums(args, stream, Fixup::workspace_bytes(work->clusters),
-                                         Fixup::flag_count(work->clusters), "stream-K", params);
+  const Status st = prepare_partial_sums<Cfg>(args, stream, Fixup::workspace_bytes(work->clusters),
+                                              Fixup::flag_count(work->clusters), "stream-K", params);
   if (st.ok()) work->split_tail = true;
   return st;
 }
@@ -341,27 +350,39 @@ Status choose_split_k_clusters(const void* kernel, size_t smem, int resident, Wo
   return Status::Ok();
 }
 
-// Workspace of a split through global memory: a partial-sum slot per unit, then a zeroed
-// arrival counter per tile. One piece, or pieces in clusters, need none.
+// Bytes of a split K through global memory: a partial-sum slot per unit, then an
+// arrival counter per tile.
 template <class Cfg>
-Status prepare_split_k(const GemmArgs& args, cudaStream_t stream, const WorkList& work, StreamKParams* params) {
-  if (work.pieces == 1 || work.cluster_pieces) return Status::Ok();
-  return prepare_partial_sums(args, stream, SplitKReduce<Cfg>::workspace_bytes(work.num_tiles * work.pieces),
-                              static_cast<size_t>(work.num_tiles), "split K", params);
+constexpr size_t split_k_bytes(int64_t tiles, int pieces) {
+  return SplitKReduce<Cfg>::workspace_bytes(tiles * pieces) + static_cast<size_t>(tiles) * sizeof(uint32_t);
 }
 
-// The dynamic order's ticket counter, zeroed in the call's scratch memory (stream
-// ordered before the launch; the memset costs about a microsecond, so a single wave,
-// which takes no tickets, goes without). Tile indices travel as int32 (the mailbox
-// between the producers); the stage marks carry decoded coordinates.
+// Workspace of a split through global memory (one piece, or pieces in clusters, need
+// none). Where the workspace was planned for a device with fewer SMs than this one (an
+// exported program), the tiles are cut into as many pieces as it holds.
+template <class Cfg>
+Status prepare_split_k(const GemmArgs& args, cudaStream_t stream, WorkList* work, StreamKParams* params) {
+  if (work->pieces == 1 || work->cluster_pieces) return Status::Ok();
+  const size_t room = args.workspace_bytes - std::min(args.workspace_bytes, partial_sums_offset<Cfg>());
+  while (work->pieces > 1 && split_k_bytes<Cfg>(work->num_tiles, work->pieces) > room) --work->pieces;
+  if (work->pieces == 1) return Status::Ok();
+  return prepare_partial_sums<Cfg>(args, stream, SplitKReduce<Cfg>::workspace_bytes(work->num_tiles * work->pieces),
+                                   static_cast<size_t>(work->num_tiles), "split K", params);
+}
+
+// The dynamic order's ticket counter, zeroed at the workspace's start (stream ordered
+// before the launch; the memset costs about a microsecond, so a single wave, which
+// takes no tickets, goes without). Tile indices travel as int32 (the mailbox between the
+// producers); the stage marks carry decoded coordinates.
 inline Status prepare_tile_counter(const GemmArgs& args, cudaStream_t stream, const WorkList& work,
                                    uint32_t** counter) {
   if (work.num_tiles > INT32_MAX) return Status::Invalid("too many output tiles for the dynamic order");
   if (work.num_tiles <= work.clusters) return Status::Ok();
-  void* memory = args.allocate_workspace ? args.allocate_workspace(sizeof(uint32_t)) : nullptr;
-  if (memory == nullptr) return Status::Internal("dynamic tiles: no workspace for the ticket counter");
-  *counter = static_cast<uint32_t*>(memory);
-  return cuda_status(cudaMemsetAsync(memory, 0, sizeof(uint32_t), stream), "zeroing the ticket counter");
+  if (args.workspace_bytes < kCounterBytes)
+    return Status::Invalid("dynamic tiles: the workspace holds " + std::to_string(args.workspace_bytes) +
+                           " bytes, the ticket counter needs " + std::to_string(kCounterBytes));
+  *counter = static_cast<uint32_t*>(args.workspace);
+  return cuda_status(cudaMemsetAsync(args.workspace, 0, sizeof(uint32_t), stream), "zeroing the ticket counter");
 }
 
 // Measurement override (scripts/decode_split_k.sh): JAX_HOPPER_SMALL_M_WHOLE_A=1 loads
@@ -445,7 +466,7 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   int cluster_size = Cfg::kClusterM;
   if constexpr (Cfg::kSplitK) {
     st = choose_split_k_clusters<Cfg>(reinterpret_cast<const void*>(kernel), kSmem, resident, &work);
-    if (st.ok()) st = prepare_split_k<Cfg>(args, stream, work, &stream_k);
+    if (st.ok()) st = prepare_split_k<Cfg>(args, stream, &work, &stream_k);
     if (!st.ok()) return st;
     ctas = work.num_tiles * work.pieces;
     work.clusters = ctas;  // one unit per CTA
@@ -469,10 +490,38 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
                      "gemm kernel launch");
 }
 
+// The workspace a call of this shape needs on a device of `sms` SMs: the ticket
+// counter, and the partial sums of the split that launch_gemm plans there (for split K,
+// as though its pieces met in global memory; in clusters they need none).
+template <class Cfg>
+size_t workspace_bytes(const GemmArgs& args, int sms) {
+  size_t bytes = partial_sums_offset<Cfg>();
+  if (args.batch <= 0 || args.m <= 0 || args.n <= 0 || args.k <= 0 || sms <= 0) return bytes;
+  const TileOrderOf<Cfg> order{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
+                               static_cast<int>(ceil_div(args.n, Cfg::kBlockN)), static_cast<int>(args.batch)};
+  const int64_t resident = int64_t{sms} * Cfg::kCtasPerSm;
+  if constexpr (Cfg::kSplitK) {
+    const int pieces = split_k_pieces(order.num_tiles(), static_cast<int>(ceil_div(args.k, Cfg::kBlockK)),
+                                      static_cast<int>(resident));
+    if (pieces > 1) bytes += split_k_bytes<Cfg>(order.num_tiles(), pieces);
+  }
+  if constexpr (Cfg::kStreamK) {
+    using Fixup = StreamKFixup<Cfg>;
+    const int64_t clusters = resident / Cfg::kClusterM;
+    bytes += Fixup::workspace_bytes(clusters) + Fixup::flag_count(clusters) * sizeof(uint32_t);
+  }
+  return bytes;
+}
+
 // The symbol each generated translation unit instantiates (instance.cu.in).
 template <KernelKind kKind, ElementType kType, Major kMajorA, Major kMajorB, int kStages>
 Status launch_gemm_instance(const GemmArgs& args, cudaStream_t stream) {
   return launch_gemm<GemmConfig<kKind, typename ElementOf<kType>::type, kMajorA, kMajorB, kStages>>(args, stream);
+}
+
+template <KernelKind kKind, ElementType kType, Major kMajorA, Major kMajorB, int kStages>
+size_t workspace_bytes_instance(const GemmArgs& args, int sms) {
+  return workspace_bytes<GemmConfig<kKind, typename ElementOf<kType>::type, kMajorA, kMajorB, kStages>>(args, sms);
 }
 
 }  // namespace jax_hopper

@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+#include "hopper/mbarrier.cuh"  // the debug build's wait limit
+
 namespace jax_hopper::hopper {
 
 // Makes this thread's earlier writes (and those ordered before it by a barrier)
@@ -21,7 +23,15 @@ __device__ __forceinline__ uint32_t flag_acquire(const uint32_t* flag) {
 // slots to the warps still computing on this SM.
 __device__ __forceinline__ void flag_wait(const uint32_t* flag, uint32_t value) {
   constexpr unsigned kBackoffNs = 64;
+#ifdef JAX_HOPPER_WAIT_LIMIT_NS
+  const uint64_t start = global_time_ns();
+  while (flag_acquire(flag) != value) {
+    __nanosleep(kBackoffNs);
+    trap_past_wait_limit(start);
+  }
+#else
   while (flag_acquire(flag) != value) __nanosleep(kBackoffNs);
+#endif
 }
 
 // Adds one to a counter and returns its old value; release for this thread's earlier

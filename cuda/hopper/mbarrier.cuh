@@ -34,9 +34,41 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 // before retrying, instead of spinning on the barrier (CUTLASS passes the same value).
 constexpr uint32_t kWaitSuspendHintNs = 0x989680;
 
+#ifdef JAX_HOPPER_WAIT_LIMIT_NS
+// The debug build's bounded waits (CMake option JAX_HOPPER_BOUNDED_WAITS): a wait that
+// lasts past the limit traps, so a hang (host and device disagreeing on a count, a phase
+// or a flag) becomes a launch error instead of a GPU that never finishes.
+__device__ __forceinline__ uint64_t global_time_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void trap_past_wait_limit(uint64_t start) {
+  if (global_time_ns() - start > uint64_t{JAX_HOPPER_WAIT_LIMIT_NS}) __trap();
+}
+#define JH_MBARRIER_TRY_WAIT(SCOPE)                                                                        \
+  uint32_t done;                                                                                         \
+  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity" SCOPE ".shared::cta.b64 p, [%1], %2, %3;\n" \
+               "selp.u32 %0, 1, 0, p;\n}"                                                               \
+               : "=r"(done)                                                                              \
+               : "r"(smem_addr(bar)), "r"(phase), "r"(kWaitSuspendHintNs)                                \
+               : "memory");                                                                              \
+  return done != 0
+__device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t phase) { JH_MBARRIER_TRY_WAIT(""); }
+__device__ __forceinline__ bool mbarrier_try_wait_cluster(uint64_t* bar, uint32_t phase) {
+  JH_MBARRIER_TRY_WAIT(".acquire.cluster");
+}
+#undef JH_MBARRIER_TRY_WAIT
+#endif
+
 // Blocks until the phase with parity `phase` has completed. A fresh barrier is in
 // phase 0, so waiting on parity 1 returns at once (the "previous" phase counts as done).
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
+#ifdef JAX_HOPPER_WAIT_LIMIT_NS
+  const uint64_t start = global_time_ns();
+  while (!mbarrier_try_wait(bar, phase)) trap_past_wait_limit(start);
+  return;
+#endif
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
@@ -51,6 +83,11 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase) {
 // mbarrier_wait with cluster-scope acquire: what a peer CTA's thread released onto this
 // barrier (st.async's complete-tx is a cluster-scope release) is visible after it.
 __device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t phase) {
+#ifdef JAX_HOPPER_WAIT_LIMIT_NS
+  const uint64_t start = global_time_ns();
+  while (!mbarrier_try_wait_cluster(bar, phase)) trap_past_wait_limit(start);
+  return;
+#endif
   asm volatile(
       "{\n"
       ".reg .pred done;\n"

@@ -81,10 +81,12 @@ def _cuda_impl(x, w, bias, residual, *, activation, has_bias, has_residual, rule
         return _xla_impl(x, w, bias, residual, **params)
     out_shape = x.shape[:-1] + (w.shape[1],)
     x, w = gemm.pad_for_tma(x, w, False, False)
-    call = jax.ffi.ffi_call(_kernels.FUSED, jax.ShapeDtypeStruct(out_shape, x.dtype))
-    return call(x, w, bias if has_bias else absent(x.dtype), residual if has_residual else absent(x.dtype),
-                transpose_a=np.int32(0), transpose_b=np.int32(0),
-                activation=np.int32(_kernels.ACTIVATION_IDS[activation]))
+    call = jax.ffi.ffi_call(_kernels.FUSED, (jax.ShapeDtypeStruct(out_shape, x.dtype),
+                                             gemm.ffi_workspace(_kernels.FUSED_KIND, x, w, False, False)))
+    out, _ = call(x, w, bias if has_bias else absent(x.dtype), residual if has_residual else absent(x.dtype),
+                  transpose_a=np.int32(0), transpose_b=np.int32(0),
+                  activation=np.int32(_kernels.ACTIVATION_IDS[activation]))
+    return out
 
 
 # ---- partitioning: gemm_p's rules, bias with N, residual with the output -------------------

@@ -22,7 +22,7 @@ from jax_hopper import _compat, _ffi, _kernels
 from jax_hopper import _partitioning as part
 from jax_hopper._problem import TMA_ROW_MULTIPLE, fits_kernel, numeric
 from jax_hopper._reference import dense_with_derivative_like_jnp, dense_with_derivative_reference
-from jax_hopper.primitives.gemm import NOT_MAPPED, jvp_of_reference, layer_aval, pad_for_tma, to_front
+from jax_hopper.primitives.gemm import NOT_MAPPED, ffi_workspace, jvp_of_reference, layer_aval, pad_for_tma, to_front
 
 dense_derivative_p = Primitive("jax_hopper_dense_with_derivative")
 dense_derivative_p.multiple_results = True
@@ -59,9 +59,11 @@ def _cuda_impl(x, w, bias, *, activation, has_bias):
         return _xla_impl(x, w, bias, activation=activation, has_bias=has_bias)
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[1],), x.dtype)
     x, w = pad_for_tma(x, w, False, False)
-    call = jax.ffi.ffi_call(_kernels.FUSED_DERIVATIVE, (out, out))
-    return call(x, w, bias if has_bias else absent(x.dtype), transpose_a=np.int32(0), transpose_b=np.int32(0),
-                activation=np.int32(_kernels.ACTIVATION_IDS[activation]))
+    call = jax.ffi.ffi_call(_kernels.FUSED_DERIVATIVE,
+                            (out, out, ffi_workspace(_kernels.FUSED_DERIVATIVE_KIND, x, w, False, False)))
+    h, d, _ = call(x, w, bias if has_bias else absent(x.dtype), transpose_a=np.int32(0), transpose_b=np.int32(0),
+                   activation=np.int32(_kernels.ACTIVATION_IDS[activation]))
+    return h, d
 
 
 dense_derivative_p.def_impl(_compat.eager_impl(dense_derivative_p))

@@ -26,7 +26,7 @@ from jax_hopper import _compat, _ffi, _kernels
 from jax_hopper import _partitioning as part
 from jax_hopper._problem import TMA_ROW_MULTIPLE, fits_kernel, numeric
 from jax_hopper._reference import activation_grad_with_bias_grad_reference, row_sum
-from jax_hopper.primitives.gemm import KERNEL_DTYPES, NOT_MAPPED, jvp_of_reference, pad_for_tma, to_front
+from jax_hopper.primitives.gemm import KERNEL_DTYPES, NOT_MAPPED, ffi_workspace, jvp_of_reference, pad_for_tma, to_front
 
 dense_grad_p = Primitive("jax_hopper_dense_activation_grad")
 dense_grad_p.multiple_results = True
@@ -63,9 +63,10 @@ def _cuda_impl(g, w, z, *, activation, bias_grad):
     row_blocks = -(-math.prod(z.shape[:-1]) // COLUMN_SUM_ROWS)
     partial = jax.ShapeDtypeStruct((row_blocks, n) if bias_grad else (0,), jnp.float32)
     g, w = pad_for_tma(g, w, False, True)
-    call = jax.ffi.ffi_call(_kernels.FUSED_GRAD, (jax.ShapeDtypeStruct(z.shape, z.dtype), partial))
-    dz, column_sums = call(g, w, z, transpose_a=np.int32(0), transpose_b=np.int32(1),
-                           activation=np.int32(_kernels.ACTIVATION_IDS[activation]))
+    call = jax.ffi.ffi_call(_kernels.FUSED_GRAD, (jax.ShapeDtypeStruct(z.shape, z.dtype), partial,
+                                                  ffi_workspace(_kernels.FUSED_GRAD_KIND, g, w, False, True)))
+    dz, column_sums, _ = call(g, w, z, transpose_a=np.int32(0), transpose_b=np.int32(1),
+                              activation=np.int32(_kernels.ACTIVATION_IDS[activation]))
     db = jnp.sum(column_sums, axis=0).astype(z.dtype) if bias_grad else jnp.zeros((0,), z.dtype)
     return dz, db
 

@@ -107,6 +107,15 @@ def pad_for_tma(a, b, transpose_a, transpose_b):
     return a, b
 
 
+def ffi_workspace(kind: str, a, b, transpose_a: bool, transpose_b: bool, stages: int | None = None):
+    """The workspace result (_ffi.workspace) of a call of `kind` on these padded operands."""
+    problem = problem_of(a.shape, b.shape, a.dtype, a.dtype, transpose_a, transpose_b)
+    _, _, k_a, k_b = mnk(a.shape, b.shape, transpose_a, transpose_b)
+    return _ffi.workspace(kind, "bf16" if a.dtype == jnp.bfloat16 else "f16", "MN" if transpose_a else "K",
+                          "K" if transpose_b else "MN", _kernels.stages_of(kind) if stages is None else stages,
+                          max(problem.batch, 1), problem.m, problem.n, max(k_a, k_b))
+
+
 def _xla_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel=None, stages=None, rules=False):
     """XLA's dot standing in for the kernel, typed with the primitive's own result sharding
     (under explicit axes a contraction over a sharded dim needs it spelled out)."""
@@ -148,9 +157,11 @@ def _cuda_impl(a, b, *, transpose_a, transpose_b, out_dtype, kernel, stages, rul
         return _xla_impl(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
     m, n, _, _ = mnk(a.shape, b.shape, transpose_a, transpose_b)
     a, b = pad_for_tma(a, b, transpose_a, transpose_b)
-    call = jax.ffi.ffi_call(_kernels.GEMM, jax.ShapeDtypeStruct(a.shape[:-2] + (m, n), out_dtype))
-    return call(a, b, transpose_a=np.int32(transpose_a), transpose_b=np.int32(transpose_b),
+    call = jax.ffi.ffi_call(_kernels.GEMM, (jax.ShapeDtypeStruct(a.shape[:-2] + (m, n), out_dtype),
+                                            ffi_workspace(kernel, a, b, transpose_a, transpose_b, stages)))
+    c, _ = call(a, b, transpose_a=np.int32(transpose_a), transpose_b=np.int32(transpose_b),
                 kernel=np.int32(_kernels.KIND_BY_NAME[kernel].id), stages=np.int32(stages))
+    return c
 
 
 # ---- partitioning: jnp.dot's rules --------------------------------------------------------

@@ -91,3 +91,57 @@ def test_auto_dispatch_without_the_built_kernel_takes_xla(monkeypatch, restore_d
         warnings.simplefilter("always")
         assert jax_hopper.dispatch_path(_struct(8191, 8191), _struct(8191, 8191), NN) == ("xla", "kernel-unavailable")
     assert [w for w in caught if "not built" in str(w.message)]
+
+
+class _ExtensionWithDriver:
+    """The compiled extension as seen under an installed driver of CUDA version `driver`."""
+
+    def __init__(self, extension, driver):
+        self._extension, self._driver = extension, driver
+
+    def cuda_versions(self):
+        return self._driver, self._extension.cuda_versions()[1]
+
+    def __getattr__(self, name):
+        return getattr(self._extension, name)
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    """Sets the driver's CUDA version the extension reports (the extension must be built)."""
+    if _ffi._jax_hopper is None:
+        pytest.skip("the CUDA extension is not built here")
+
+    def use(version):
+        monkeypatch.setattr(_ffi, "_jax_hopper", _ExtensionWithDriver(_ffi._jax_hopper, version))
+        _ffi.driver_reason.cache_clear()
+        _ffi.warn_no_kernel_once.cache_clear()
+    yield use
+    _ffi.driver_reason.cache_clear()
+    _ffi.warn_no_kernel_once.cache_clear()
+
+
+def test_a_driver_older_than_the_runtime_lowers_to_xla_with_one_warning_naming_it(driver):
+    runtime = _ffi._jax_hopper.cuda_versions()[1]
+    driver(12080)  # r570: CUDA 12.8, jax's CUDA 12 plugin
+    a, b = _struct(8191, 8191), _struct(8191, 8191)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not jax_hopper.kernel_available()
+        with jax_hopper.dispatch("auto"):
+            assert jax_hopper.dispatch_path(a, b, NN) == ("xla", "kernel-unavailable")
+        with jax_hopper.dispatch("kernel"):
+            for _ in range(2):
+                text = jax.jit(jax_hopper.matmul).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call" not in text and "dot_general" in text
+    msgs = [str(w.message) for w in caught if "driver" in str(w.message)]
+    assert len(msgs) == 1, msgs
+    assert "CUDA 12.8" in msgs[0] and f"CUDA {runtime // 1000}.{runtime % 1000 // 10} runtime" in msgs[0], msgs[0]
+
+
+@pytest.mark.parametrize("version", [0, 13000, 13020, 14000])
+def test_no_driver_or_a_new_enough_one_keeps_the_kernel(driver, version):
+    if _ffi._jax_hopper.cuda_versions()[1] // 1000 > 13:
+        pytest.skip("this build's runtime is newer than CUDA 13")
+    driver(version)  # 0: no driver here (lowering for CUDA from a CPU host)
+    assert _ffi.driver_reason() is None and jax_hopper.kernel_available()

@@ -56,7 +56,7 @@ def test_batched_dot_general_is_one_batched_call():
     dims = (((2,), (1,)), ((0,), (0,)))
     text = cuda_text(lambda a, b: jax_hopper.dot_general(a, b, dims), S((B, M, K), F16), S((B, K, N), F16))
     assert calls(text) == [(0, 0)]
-    assert re.search(r"-> tensor<3x256x512xf16>", text)
+    assert re.search(r"-> \(tensor<3x256x512xf16>, tensor<\d+xui8>\)", text)
     assert_no_copies_or_loops(text)
 
 
@@ -67,7 +67,7 @@ def test_nd_activations_times_weights_fold_into_m():
         text = cuda_text(jax_hopper.dot, lhs, S((K, N), F16))
         assert calls(text) == [(0, 0)]
         out = "x".join(map(str, lhs.shape[:-1]))
-        assert re.search(rf"custom_call @jax_hopper_gemm\(.*tensor<{out}x{K}xf16>.*-> tensor<{out}x{N}xf16>", text)
+        assert re.search(rf"custom_call @jax_hopper_gemm\(.*tensor<{out}x{K}xf16>.*-> \(tensor<{out}x{N}xf16>,", text)
         assert "reshape" not in text
         assert_no_copies_or_loops(text)
 

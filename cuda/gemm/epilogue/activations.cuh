@@ -68,6 +68,13 @@ __device__ __noinline__ uint4 gelu_erf_with_derivative_x4(float v0, float v1, fl
                     pack_pair<Element>(r2.y, r3.y));
 }
 
+// max(v, 0) that keeps a NaN, as jax.nn.relu (jnp.maximum) does: fmaxf(NaN, 0) is 0.
+__device__ __forceinline__ float relu(float v) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(v), "f"(0.0f));
+  return r;
+}
+
 // Calls f(std::integral_constant<Activation, a>{}) for the run-time activation a, so each
 // epilogue form is compiled once per activation and the choice is not re-made per element.
 template <class F>
@@ -129,7 +136,7 @@ struct Activations {
   template <Activation kAct>
   __device__ static float activate(float v) {
     if constexpr (kAct == Activation::kRelu) {
-      return fmaxf(v, 0.0f);
+      return relu(v);
     } else if constexpr (kAct == Activation::kGeluTanh) {  // jax.nn.gelu(approximate=True)
       return v * gelu_tanh_sigmoid(v, v * v);
     } else if constexpr (kAct == Activation::kGeluErf) {  // jax.nn.gelu(approximate=False)
@@ -142,7 +149,8 @@ struct Activations {
   }
 
   // The backward form: the cotangent g of act(z) times act'(z), on the SFU as above.
-  // ReLU selects, as jax.nn.relu's derivative does (0 at z = 0, and an infinite g stays out).
+  // ReLU selects, as jax.nn.relu's derivative does (0 at z = 0 and at a NaN z, and an
+  // infinite g stays out).
   // Without an activation the loaded tensor is act'(z) itself, saved by the forward
   // pass (jax_hopper.mlp's saved-derivative form): a multiply.
   template <Activation kAct>
@@ -170,7 +178,7 @@ struct Activations {
   template <Activation kAct>
   __device__ static float2 activate_with_derivative(float v) {
     if constexpr (kAct == Activation::kRelu) {
-      return make_float2(fmaxf(v, 0.0f), v > 0.0f ? 1.0f : 0.0f);
+      return make_float2(relu(v), v > 0.0f ? 1.0f : 0.0f);
     } else if constexpr (kAct == Activation::kGeluTanh) {  // v s, s + v s (1 - s) y'(v)
       const float v2 = v * v;
       const float s = gelu_tanh_sigmoid(v, v2);

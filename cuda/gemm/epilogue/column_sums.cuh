@@ -42,6 +42,15 @@ struct ColumnSums {
     return make_float2(__shfl_xor_sync(0xffffffffu, v.x, lane_mask), __shfl_xor_sync(0xffffffffu, v.y, lane_mask));
   }
 
+  // Whether this thread's fragment rows r and r + 8 of the warpgroup's 64 (from row0) lie
+  // inside M. Rows past M hold A's zero-filled rows times B, NaN where B holds an Inf,
+  // and stay out of the sums (jnp's bias gradient sums M rows).
+  __device__ static void rows_inside(int row0, int m, bool (&inside)[2]) {
+    const int r = row0 + hopper::thread_in_warpgroup() / hopper::kWarpSize * 16 + hopper::lane_index() / 4;
+    inside[0] = r < m;
+    inside[1] = r + 8 < m;
+  }
+
   // Halving steps over lane bits 4, 3, 2 (lane / 4 = g): at each, a lane keeps the half
   // of its blocks that bit of g selects and adds its partner's copy of that half. Lane l
   // ends with block g = l / 4 summed over the warp's 16 rows: columns 8g + 2 (l % 4) +

@@ -55,6 +55,8 @@ struct StagedOperand {
     constexpr int kBatch = 0;
     const uint32_t barrier = Cfg::kFirstEpilogueBarrier + warpgroup;
     const bool elected = hopper::thread_in_warpgroup() == 0;
+    bool inside[2] = {true, true};
+    if constexpr (kColumnSums) Sums::rows_inside(row0, out.m, inside);
     hopper::mbarrier_wait(full, phase);
 #pragma unroll
     for (int s = 0; s < Cfg::kOperandSubtiles; ++s) {
@@ -82,7 +84,8 @@ struct StagedOperand {
           c[q] = pack_pair<Element>(v.x, v.y);
           if constexpr (kColumnSums) {  // q = 0, 1: rows r, r + 8 of block 2p; q = 2, 3: of block 2p + 1
             float2& sum = sums[2 * p + q / 2];
-            sum = q % 2 == 0 ? v : Sums::add(sum, v);
+            const float2 w = inside[q % 2] ? v : make_float2(0.0f, 0.0f);
+            sum = q % 2 == 0 ? w : Sums::add(sum, w);
           }
         }
         hopper::stmatrix_x4(addr[p], c[0], c[1], c[2], c[3]);

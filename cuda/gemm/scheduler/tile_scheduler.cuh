@@ -262,8 +262,7 @@ struct SplitKScheduler : SchedulerBase<Cfg> {
   }
 
   // The producer warp passes the in-cluster sum's barriers with the consumers.
-  __device__ void producer_done() const {
-    __syncwarp();  // the cluster barriers are .aligned: the whole warp, converged
+  __device__ void producer_done() const {  // the warp converged (kernel.cuh), as the .aligned barriers need
     Reduce::hold_for_peers(this->work);
   }
 
