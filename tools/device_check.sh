@@ -32,7 +32,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,po
 echo "commit: ${COMMIT:-unknown (set COMMIT)}" | tee "$LOG/commit.txt"
 
 start=$(date +%s)
-if ! (cd "$REPO" && python3 -m pip install --no-build-isolation --no-deps -v ${BUILD_ARGS:-} .) >"$LOG/build.log" 2>&1; then
+# A build with BUILD_ARGS gets a build directory of its own: CMake's cache would carry
+# its options into the next plain build.
+if ! (cd "$REPO" && python3 -m pip install --no-build-isolation --no-deps -v \
+      ${BUILD_ARGS:+-C build-dir=build/custom $BUILD_ARGS} .) >"$LOG/build.log" 2>&1; then
   tail -60 "$LOG/build.log"
   exit 1
 fi

@@ -11,6 +11,8 @@ import pytest
 from helpers import seed_normal
 
 import jax_hopper
+from jax_hopper import _ffi
+from jax_hopper.primitives.gemm import gemm
 
 TARGET = "jax_hopper_gemm"
 KERNEL_DTYPES = [jnp.float16, jnp.bfloat16]
@@ -34,6 +36,29 @@ def test_cuda_lowering_is_our_custom_call(shape, dtype):
     # workspace (bytes that XLA plans; nobody reads them).
     out_type = f"tensor<{m}x{n}x{'f16' if dtype == jnp.float16 else 'bf16'}>"
     assert re.search(rf"custom_call @{TARGET}\(.*-> \({re.escape(out_type)}, tensor<\d+xui8>\)", text), text
+
+
+# (kind, M, N, K, workspace bytes for 132 SMs): the ticket counter (16 bytes) for the
+# ticketed kinds; split K's partial sums (64 x 128 f32 per piece) and a counter per tile
+# where its pieces meet in global memory: 8 tiles of 16 x 1024 in 33 pieces (264 CTAs,
+# two per SM, over 8 tiles), 64 tiles of 16 x 8192 in 4; V5 and one whole piece none.
+WORKSPACES = [("persistent", 4096, 4096, 4096, 16), ("v5", 4096, 4096, 4096, 0),
+              ("small_m", 16, 1024, 8192, 8 * 33 * 64 * 128 * 4 + 8 * 4),
+              ("small_m", 16, 8192, 8192, 64 * 4 * 64 * 128 * 4 + 64 * 4),
+              ("small_m", 16, 40960, 128, 0)]
+
+
+@pytest.mark.parametrize("kind,m,n,k,size", WORKSPACES, ids=lambda v: str(v))
+def test_every_call_returns_a_workspace_xla_plans(kind, m, n, k, size):
+    """The call's last result is its workspace, sized by the lowering for the GPU it lowers
+    for (here none: an H100 or H200's 132 SMs); the user gets the product alone."""
+    if not jax_hopper.kernel_available():
+        pytest.skip("the CUDA extension is not built here")
+    a, b = jax.ShapeDtypeStruct((m, k), jnp.float16), jax.ShapeDtypeStruct((k, n), jnp.float16)
+    text = lower_text(lambda a, b: gemm(a, b, kernel=kind), a, b, platform="cuda")
+    assert _ffi.lowering_sms() == _ffi.DEFAULT_SMS
+    assert re.search(rf"custom_call @{TARGET}\(.*-> \(tensor<{m}x{n}xf16>, tensor<{size}xui8>\)", text), text
+    assert re.search(rf"return %0#0 : tensor<{m}x{n}xf16>", text), "the workspace is not returned"
 
 
 def test_rows_tma_cannot_describe_are_padded_to_16_bytes():

@@ -367,10 +367,12 @@ def test_a_frozen_bias_gets_no_bias_gradient_summed():
     operands = block_operands((256,), 128, 512, jnp.bfloat16)
     with jax_hopper.dispatch("kernel"):
         text = cuda_text(jax.grad(loss(ours("gelu_tanh")), argnums=(0, 1, 3)), *operands)
-    assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<256x512xbf16>, tensor<0xf32>\)", text)
+    assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<256x512xbf16>, tensor<0xf32>, tensor<\d+xui8>\)",
+                     text)
     with jax_hopper.dispatch("kernel"):
         text = cuda_text(jax.grad(loss(ours("gelu_tanh")), argnums=(0, 1, 2, 3)), *operands)
-    assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<256x512xbf16>, tensor<4x512xf32>\)", text)
+    assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<256x512xbf16>, tensor<4x512xf32>, "
+                     r"tensor<\d+xui8>\)", text)
 
 
 def gradient_program(activation, operands, policy):
@@ -392,7 +394,8 @@ def test_kernel_policy_fuses_the_derivative_into_the_backward_product(saved):
     first = "jax_hopper_gemm_fused_derivative" if saved else "jax_hopper_gemm_fused"
     assert sorted(calls) == sorted(["jax_hopper_gemm"] * 3 + [first, "jax_hopper_gemm_fused",
                                                               "jax_hopper_gemm_fused_grad"])
-    assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<256x512xbf16>, tensor<4x512xf32>\)", text)
+    assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<256x512xbf16>, tensor<4x512xf32>, "
+                     r"tensor<\d+xui8>\)", text)
     activation_attr = re.search(r"jax_hopper_gemm_fused_grad\([^\n]*activation = (\d+) : i32", text).group(1)
     assert (activation_attr == "0") == saved  # 0: the multiply form
     assert "dot_general" not in text
@@ -416,7 +419,8 @@ def test_auto_policy_runs_the_backward_form_where_measured_ahead():
                                                                 (4096,))]
     text = gradient_program("gelu_tanh", structs, "auto")
     # The backward form with the bias gradient's partial sums, [4096 / 64, 4096] f32.
-    assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<4096x4096xbf16>, tensor<64x4096xf32>\)", text)
+    assert re.search(r"jax_hopper_gemm_fused_grad\([^\n]*-> \(tensor<4096x4096xbf16>, tensor<64x4096xf32>, "
+                     r"tensor<\d+xui8>\)", text)
     small = gradient_program("gelu_tanh", block_operands((256,), 128, 512, jnp.bfloat16), "auto")
     assert "jax_hopper_gemm_fused_grad" not in small
 
