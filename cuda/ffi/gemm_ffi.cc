@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <numeric>
 #include <string>
@@ -125,8 +126,11 @@ ffi::Error decode(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
 // plans like any buffer: it stays the call's until the kernel has run, whichever stream
 // XLA runs the call on, and nothing is allocated at run time (so XLA may capture the
 // call into a command buffer).
+std::atomic<uint64_t> handler_runs{0};
+
 ffi::Error run(const std::string& target, GemmArgs& args, KernelKind kind, int stages,
                ffi::Result<ffi::AnyBuffer>& workspace, cudaStream_t stream) {
+  handler_runs.fetch_add(1, std::memory_order_relaxed);
   args.workspace = workspace->untyped_data();
   args.workspace_bytes = workspace->size_bytes();
   KernelChoice choice;
@@ -245,6 +249,9 @@ ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::AnyBuffer a,
 }
 
 }  // namespace
+
+uint64_t ffi_handler_runs() { return handler_runs.load(std::memory_order_relaxed); }
+
 }  // namespace jax_hopper
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemm, jax_hopper::GemmImpl,

@@ -1,6 +1,15 @@
 // XLA FFI handler for C = A * B on Hopper.
 #pragma once
+#include <cstdint>
+
 #include "xla/ffi/api/api.h"
+
+namespace jax_hopper {
+// How many times this process ran one of the handlers below. A call that XLA captured
+// into a command buffer runs its handler when the graph is recorded, not when it is
+// replayed (tests/gpu/test_xla_plan_gpu.py counts on this).
+uint64_t ffi_handler_runs();
+}  // namespace jax_hopper
 
 // Every handler's last result is its workspace: bytes that XLA plans and nobody reads,
 // at least workspace_bytes (module.cc: the extension's workspace_bytes) for the device

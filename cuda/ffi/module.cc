@@ -48,6 +48,9 @@ NB_MODULE(_jax_hopper, m) {
       },
       "The workspace bytes of a call of kernel kind `kind` (its id), dtype, majors of A and B "
       "('K' or 'MN'), stages and problem (batch, M, N, K) on a device of `sms` SMs.");
+  m.def("ffi_handler_runs", &jax_hopper::ffi_handler_runs,
+        "How many times this process ran one of the FFI handlers (a call captured into an XLA command buffer "
+        "runs its handler when the graph is recorded, not when it is replayed).");
   m.def(
       "cuda_versions",
       []() {
