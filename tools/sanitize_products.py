@@ -32,6 +32,8 @@ CASES = [  # (kernel, dtype, batch, m, n, k, transpose_a, transpose_b, out_dtype
     ("persistent_streamk", jnp.float16, 0, 1000, 3000, 4160, False, False, None),  # tail split over clusters
     ("persistent_streamk", jnp.float16, 0, 16, 1024, 4160, False, False, None),  # split, one warpgroup idle
     ("persistent", jnp.float16, 0, 40, 520, 200, False, False, None),  # rows < 64: the second warpgroup passes
+    ("persistent_pingpong", jnp.float16, 0, 300, 520, 200, False, False, None),  # whole tiles per warpgroup
+    ("persistent_pingpong", jnp.float16, 0, 4160, 1024, 136, False, False, jnp.float32),  # past one wave
     ("persistent_f16acc", jnp.float16, 0, 300, 520, 200, False, False, None),  # four consumer warpgroups
     ("persistent_f16acc", jnp.float16, 2, 600, 264, 136, True, True, jnp.float32),
     # Split K through global memory (32 pieces, warps past M idle), then in clusters (on an
