@@ -116,6 +116,7 @@ COMMAND_BUFFER_PROGRAM = textwrap.dedent("""
 
     cases["mlp forward and backward"] = block_grads, (x, w1, b1, w2, b2)
     out = {}
+    RUNS = 10
     runs = _ffi._jax_hopper.ffi_handler_runs
     with jax_hopper.dispatch("kernel"), _dispatch.saved_derivative({"gelu_tanh"}):
         for name, (fn, args) in cases.items():
@@ -123,13 +124,14 @@ COMMAND_BUFFER_PROGRAM = textwrap.dedent("""
             result = jax.block_until_ready(f(*args))
             hlo = f.lower(*args).compile().as_text()
             calls = len(re.findall(r'custom_call_target="jax_hopper_', hlo))
-            # Five more runs: without command buffers each runs every handler; a captured
-            # call's graph is replayed without its handler.
+            # Ten more runs: without command buffers each runs every handler; a captured
+            # call's graph is replayed without its handler (XLA records it again where
+            # its buffers moved, which the runs' freed outputs make rare).
             before = runs()
-            for _ in range(5):
-                again = jax.block_until_ready(f(*args))
-                assert all(np.array_equal(np.asarray(x), np.asarray(y))
-                           for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(result))), name
+            for _ in range(RUNS):
+                again = [np.asarray(x) for x in jax.tree.leaves(f(*args))]
+                assert all(np.array_equal(x, np.asarray(y)) for x, y in zip(again, jax.tree.leaves(result))), name
+                del again
             digest = hashlib.sha256(b"".join(np.asarray(r).tobytes() for r in jax.tree.leaves(result))).hexdigest()
             out[name] = {"digest": digest, "calls": calls, "handler_runs": runs() - before}
     print(json.dumps(out))
@@ -152,8 +154,7 @@ def test_command_buffers_capture_every_kind_with_bitwise_equal_results(hopper):
     assert off.keys() == on.keys()
     for name in off:
         assert on[name]["calls"] > 0, f"{name}: no call of ours in the program"
-        assert off[name]["handler_runs"] == 5 * off[name]["calls"], f"{name}: {off[name]}"
-        # Captured: the five replays ran no handler (a re-recording, where XLA's buffers
-        # moved, would run them once more).
-        assert on[name]["handler_runs"] < on[name]["calls"], f"{name}: not captured: {on[name]}"
+        assert off[name]["handler_runs"] == 10 * off[name]["calls"], f"{name}: {off[name]}"
+        # Captured: at least 7 of the 10 runs replayed the graph without running a handler.
+        assert on[name]["handler_runs"] <= 3 * on[name]["calls"], f"{name}: not captured: {on[name]}"
         assert on[name]["digest"] == off[name]["digest"], f"{name}: results differ with command buffers on"
