@@ -128,11 +128,15 @@ def lowering_sms() -> int:
     return max((getattr(d, "core_count", 0) or DEFAULT_SMS for d in devices), default=DEFAULT_SMS)
 
 
-@functools.lru_cache(maxsize=1024)
 def workspace(kind: str, dtype: str, major_a: str, major_b: str, stages: int, batch: int, m: int, n: int,
               k: int) -> jax.ShapeDtypeStruct:
     """The workspace result of a call of `kind` on a problem of (batch, M, N, K) with
     operands of `dtype` ("f16" or "bf16") in these majors ("K" or "MN")."""
-    size = _jax_hopper.workspace_bytes(_kernels.KIND_BY_NAME[kind].id, dtype, major_a, major_b, stages, batch, m, n,
-                                       k, lowering_sms())
+    size = _workspace_bytes(kind, dtype, major_a, major_b, stages, batch, m, n, k, lowering_sms())
     return jax.ShapeDtypeStruct((size,), "uint8")
+
+
+@functools.lru_cache(maxsize=1024)
+def _workspace_bytes(kind, dtype, major_a, major_b, stages, batch, m, n, k, sms) -> int:
+    return _jax_hopper.workspace_bytes(_kernels.KIND_BY_NAME[kind].id, dtype, major_a, major_b, stages, batch, m, n,
+                                       k, sms)

@@ -61,6 +61,9 @@ def test_compiled_program_is_one_fused_call(hopper):
 
 
 F16 = jnp.float16
+# Every handler's last result: its workspace (more than these products need).
+WORKSPACE = jax.ShapeDtypeStruct((1 << 20,), jnp.uint8)
+
 FUSED_MISUSE = [  # (bias shape, residual shape, c shape, attributes, message)
     ((65,), (0,), (64, 64), {}, "bias must be"),
     ((0,), (64, 65), (64, 64), {}, "residual must be"),
@@ -78,7 +81,7 @@ def test_fused_handler_rejects_inconsistent_calls(hopper, bias_shape, res_shape,
 
     params = {"transpose_a": np.int32(0), "transpose_b": np.int32(0), "activation": np.int32(0)}
     params.update({k: np.int32(v) for k, v in attrs.items()})
-    call = jax.ffi.ffi_call("jax_hopper_gemm_fused", jax.ShapeDtypeStruct(c_shape, F16))
+    call = jax.ffi.ffi_call("jax_hopper_gemm_fused", (jax.ShapeDtypeStruct(c_shape, F16), WORKSPACE))
     operands = [jnp.ones((64, 32), F16), jnp.ones((32, 64), F16), jnp.ones(bias_shape, F16), jnp.ones(res_shape, F16)]
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(jax.jit(lambda *a: call(*a, **params))(*operands))
@@ -107,7 +110,8 @@ def test_backward_form_handler_rejects_inconsistent_calls(hopper, z_shape, c_sha
     n = c_shape[1]
     params = {"transpose_a": np.int32(0), "transpose_b": np.int32(1), "activation": np.int32(activation)}
     call = jax.ffi.ffi_call("jax_hopper_gemm_fused_grad",
-                            (jax.ShapeDtypeStruct(c_shape, F16), jax.ShapeDtypeStruct(sums_shape, jnp.float32)))
+                            (jax.ShapeDtypeStruct(c_shape, F16), jax.ShapeDtypeStruct(sums_shape, jnp.float32),
+                             WORKSPACE))
     operands = [jnp.ones((64, 32), F16), jnp.ones((n, 32), F16), jnp.ones(z_shape, F16)]
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(jax.jit(lambda *a: call(*a, **params))(*operands))

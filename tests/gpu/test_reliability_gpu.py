@@ -142,6 +142,9 @@ def test_stress_random_shapes_and_layouts_no_errors_no_memory_growth(hopper):
 
 
 BF16 = jnp.bfloat16
+# Every handler's last result: its workspace (more than these products need).
+WORKSPACE = jax.ShapeDtypeStruct((1 << 20,), jnp.uint8)
+
 FFI_MISUSE = [  # (a, b, c shape, c dtype, attributes, message)
     ((64, 32), (48, 64), (64, 64), F16, {}, "inconsistent shapes"),
     ((64, 32), (32, 64), (65, 64), F16, {}, "inconsistent shapes"),
@@ -173,6 +176,30 @@ def test_ffi_handler_rejects_inconsistent_calls(hopper, a_shape, b_shape, c_shap
     params = {"transpose_a": np.int32(0), "transpose_b": np.int32(0), "kernel": np.int32(1), "stages": np.int32(4)}
     params.update({k: np.int32(v) for k, v in attrs.items()})
     a, b = jnp.ones(a_shape, F16), jnp.ones(b_shape, F16)
-    call = jax.ffi.ffi_call(jax_hopper.GEMM_TARGET, jax.ShapeDtypeStruct(c_shape, c_dtype))
+    call = jax.ffi.ffi_call(jax_hopper.GEMM_TARGET, (jax.ShapeDtypeStruct(c_shape, c_dtype), WORKSPACE))
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(jax.jit(lambda x, y: call(x, y, **params))(a, b))
+
+
+def _direct_gemm(a, b, kernel, workspace_bytes):
+    """jax_hopper_gemm called directly with a workspace of this size."""
+    params = {"transpose_a": np.int32(0), "transpose_b": np.int32(0),
+              "kernel": np.int32(KERNELS[kernel]), "stages": np.int32(4)}
+    call = jax.ffi.ffi_call(jax_hopper.GEMM_TARGET, (jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), F16),
+                                                     jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8)))
+    return jax.jit(lambda x, y: call(x, y, **params)[0])(a, b)
+
+
+def test_a_workspace_without_room_for_the_ticket_counter_is_an_error(hopper):
+    a, b = _inputs(4160, 4096, 64, seed=4)  # 66 x 16 tiles: more than one wave takes tickets
+    with pytest.raises(Exception, match="ticket counter needs 16"):
+        jax.block_until_ready(_direct_gemm(a, b, "persistent", 8))
+
+
+def test_split_k_fits_its_pieces_into_a_smaller_workspace(hopper):
+    """A workspace planned for fewer SMs (an exported program on a larger GPU): split K cuts
+    fewer pieces, here none, and the product is still right."""
+    a, b = _inputs(16, 1024, 8192, seed=5)  # 8 tiles, cut into more pieces than a cluster holds
+    for size in (0, 4096):
+        c = _direct_gemm(a, b, "small_m", size)
+        assert relative_error(c, f32_reference(a, b)) < 1e-3
