@@ -395,6 +395,18 @@ inline bool small_m_whole_a() {
   return whole;
 }
 
+// The output tiles in their order, and the K tiles of each: what the launch and the
+// workspace's size are planned from.
+template <class Cfg>
+TileOrderOf<Cfg> tile_order_of(const GemmArgs& args) {
+  return {static_cast<int>(ceil_div(args.m, Cfg::kBlockM)), static_cast<int>(ceil_div(args.n, Cfg::kBlockN)),
+          static_cast<int>(args.batch)};
+}
+template <class Cfg>
+int k_tiles_of(const GemmArgs& args) {
+  return static_cast<int>(ceil_div(args.k, Cfg::kBlockK));
+}
+
 template <class Cfg>
 Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
   CUtensorMap tmap_a, tmap_b, tmap_c = {};
@@ -444,9 +456,8 @@ Status launch_gemm(const GemmArgs& args, cudaStream_t stream) {
                          static_cast<int>(args.n), args.c_f32, paired, tma_store, args.bias, args.residual,
                          args.residual != nullptr ? args.ld_residual : 0, paired_inputs, args.activation,
                          args.column_sums};
-  const TileOrderOf<Cfg> order{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
-                                   static_cast<int>(ceil_div(args.n, Cfg::kBlockN)), static_cast<int>(args.batch)};
-  const int k_tiles = static_cast<int>(ceil_div(args.k, Cfg::kBlockK));
+  const TileOrderOf<Cfg> order = tile_order_of<Cfg>(args);
+  const int k_tiles = k_tiles_of<Cfg>(args);
 
   int64_t ctas = order.num_tiles() * Cfg::kClusterM;  // V5: one CTA per tile
   if constexpr (Cfg::kStreamK) {
@@ -497,12 +508,10 @@ template <class Cfg>
 size_t workspace_bytes(const GemmArgs& args, int sms) {
   size_t bytes = partial_sums_offset<Cfg>();
   if (args.batch <= 0 || args.m <= 0 || args.n <= 0 || args.k <= 0 || sms <= 0) return bytes;
-  const TileOrderOf<Cfg> order{static_cast<int>(ceil_div(args.m, Cfg::kBlockM)),
-                               static_cast<int>(ceil_div(args.n, Cfg::kBlockN)), static_cast<int>(args.batch)};
+  const TileOrderOf<Cfg> order = tile_order_of<Cfg>(args);
   const int64_t resident = int64_t{sms} * Cfg::kCtasPerSm;
   if constexpr (Cfg::kSplitK) {
-    const int pieces = split_k_pieces(order.num_tiles(), static_cast<int>(ceil_div(args.k, Cfg::kBlockK)),
-                                      static_cast<int>(resident));
+    const int pieces = split_k_pieces(order.num_tiles(), k_tiles_of<Cfg>(args), static_cast<int>(resident));
     if (pieces > 1) bytes += split_k_bytes<Cfg>(order.num_tiles(), pieces);
   }
   if constexpr (Cfg::kStreamK) {
