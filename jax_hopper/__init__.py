@@ -1,7 +1,8 @@
 """jax_hopper: a warp-specialized Hopper (sm_90a) GEMM for JAX, as an XLA FFI custom call.
 
 ``dot_general``, ``dot`` and ``matmul`` are drop-ins for ``lax.dot_general``, ``jnp.dot``
-and ``jnp.matmul``; ``dense`` is a dense layer with its bias, activation and residual
+and ``jnp.matmul``, ``ragged_dot`` and ``ragged_dot_general`` for ``jax.lax``'s grouped
+products (mixtures of experts); ``dense`` is a dense layer with its bias, activation and residual
 fused into the kernel's epilogue, and ``mlp`` a two-layer block whose backward pass also
 fuses the activation's derivative. f16/bf16 products lower to the ``jax_hopper_gemm``
 custom call on Hopper GPUs and to XLA's dot on every other platform, so one program runs
@@ -20,9 +21,10 @@ from jax_hopper._kernels import GEMM as GEMM_TARGET
 from jax_hopper.layers import dense, mlp
 from jax_hopper.ops import dispatch_path, dot, dot_general, matmul
 from jax_hopper.primitives.gemm import PRODUCT_NAME
+from jax_hopper.ragged import ragged_dot, ragged_dot_general, ragged_dot_path
 
 __version__ = "0.1.0"
 __all__ = ["GEMM_TARGET", "PRODUCT_NAME", "dense", "dispatch", "dispatch_path", "dot", "dot_general",
-           "kernel_available", "matmul", "mlp", "set_dispatch"]
+           "kernel_available", "matmul", "mlp", "ragged_dot", "ragged_dot_general", "ragged_dot_path", "set_dispatch"]
 
 _ffi.register()

@@ -54,6 +54,7 @@ def _nn(dtypes, stages, *, experimental=False):
 
 GEMM, FUSED, FUSED_GRAD, FUSED_DERIVATIVE = ("jax_hopper_gemm", "jax_hopper_gemm_fused",
                                              "jax_hopper_gemm_fused_grad", "jax_hopper_gemm_fused_derivative")
+RAGGED = "jax_hopper_ragged_dot"
 BOTH = ("f16", "bf16")
 
 KINDS: tuple[Kind, ...] = (
@@ -87,6 +88,12 @@ KINDS: tuple[Kind, ...] = (
          "ablation: + a producer warpgroup and setmaxnreg"),
     Kind("persistent_static", "kPersistentStatic", 13, 4, GEMM, _nn(("f16",), 4, experimental=True),
          "ablation: + the deferred store, tiles in a grid stride"),
+    # Grouped products (ragged_dot): lhs [M, K] against rhs [G, K, N] or [G, N, K].
+    Kind("grouped", "kGrouped", 14, 4, RAGGED,
+         tuple(Instance(d, "K", b, 4) for d in BOTH for b in ("MN", "K")),
+         "ragged rows: each group of lhs rows times its own matrix, tiles masked at group ends"),
+    Kind("grouped_k", "kGroupedK", 15, 4, RAGGED, tuple(Instance(d, "MN", "MN", 4) for d in BOTH),
+         "ragged contraction: per group, its rows of a transposed times its rows of b ([G, K, N])"),
 )
 KIND_BY_NAME = {kind.name: kind for kind in KINDS}
 
@@ -97,6 +104,7 @@ FUSED_KIND, FUSED_GRAD_KIND, FUSED_DERIVATIVE_KIND = (
     "persistent_fused", "persistent_fused_grad", "persistent_fused_derivative")
 # Kinds the plain GEMM target launches by name (the others have targets of their own).
 GEMM_KINDS = tuple(kind.name for kind in KINDS if kind.target == GEMM)
+GROUPED_KIND, GROUPED_K_KIND = "grouped", "grouped_k"
 
 
 @dataclasses.dataclass(frozen=True)

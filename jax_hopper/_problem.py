@@ -25,7 +25,10 @@ H200_SMS = 132
 # What a problem computes. "product": C = op(A) op(B). "dense": act(x w + b) + r in the
 # fused epilogue. "dense_derivative": act(x w + b) and act'(x w + b). "activation_grad":
 # the MLP's backward form (g w^T) * act'(z), with its column sums when bias_grad.
-OPS = ("product", "dense", "dense_derivative", "activation_grad")
+# "ragged_rows": a grouped product (ragged_dot), batch = the groups, M its lhs rows, B
+# [G, K, N] (transpose_b: [G, N, K]). "ragged_contract": its rhs gradient, per group
+# lhs^T rhs over the group's rows: batch = the groups, K the rows, A stored [K, M].
+OPS = ("product", "dense", "dense_derivative", "activation_grad", "ragged_rows", "ragged_contract")
 
 
 def round_up(x: int, multiple: int) -> int:

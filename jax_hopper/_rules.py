@@ -58,6 +58,10 @@ def kind_of(p: Problem) -> str:
     """The kind our kernel path runs for `p`, by its op (rules may name another)."""
     if p.op == "product":
         return kernel_for(p)
+    if p.op == "ragged_rows":
+        return _kernels.GROUPED_KIND
+    if p.op == "ragged_contract":
+        return _kernels.GROUPED_K_KIND
     return {"dense": _kernels.FUSED_KIND, "dense_derivative": _kernels.FUSED_DERIVATIVE_KIND,
             "activation_grad": _kernels.FUSED_GRAD_KIND}[p.op]
 
@@ -210,6 +214,20 @@ def _width_not_multiple_of_8(p: Problem) -> bool:
     return p.n % TMA_ROW_MULTIPLE != 0
 
 
+# The grouped kernel's group table (cuda/gemm/scheduler/group_table.cuh).
+MAX_GROUPS = 1024
+
+
+def ragged_unfit(p: Problem) -> bool:
+    """A grouped product the kernel cannot take as stored: a row TMA cannot read in place
+    (not a multiple of 8 elements), or more groups than its table holds."""
+    a_row, b_row = p.operand_rows
+    return a_row % TMA_ROW_MULTIPLE != 0 or b_row % TMA_ROW_MULTIPLE != 0 or not 1 <= p.batch <= MAX_GROUPS
+
+
+RAGGED_OPS = ("ragged_rows", "ragged_contract")
+
+
 def _evidence(*names: str) -> tuple[str, ...]:
     return tuple(EVIDENCE + name for name in names)
 
@@ -219,11 +237,14 @@ RULES: tuple[Rule, ...] = (
          "N is not a multiple of 8: the derivative kind writes act' by TMA only"),
     Rule("hidden-width-not-multiple-of-8", ("activation_grad",), ALL_POLICIES, _width_not_multiple_of_8, "xla",
          "the hidden width is not a multiple of 8: the backward form reads z and writes dz by TMA only"),
-    Rule("policy=kernel", ("product", "dense"), ("kernel",), _always, "kernel",
+    Rule("ragged-unaligned-or-too-many-groups", RAGGED_OPS, ALL_POLICIES, ragged_unfit, "xla",
+         "a stored row is not a multiple of 8 elements, or more than 1024 groups: the grouped kernel reads rows "
+         "in place by TMA and keeps its group table in shared memory"),
+    Rule("policy=kernel", ("product", "dense") + RAGGED_OPS, ("kernel",), _always, "kernel",
          "policy \"kernel\": our kernel wherever it applies", unavailable_ok=True, kind=_requested_kind),
     Rule("policy=kernel", ("dense_derivative", "activation_grad"), ("kernel",), _always, "kernel",
          "policy \"kernel\" (where no kernel is built, XLA's form)"),
-    Rule("policy=xla", ("product", "dense", "dense_derivative"), ("xla",), _always, "xla",
+    Rule("policy=xla", ("product", "dense", "dense_derivative") + RAGGED_OPS, ("xla",), _always, "xla",
          "policy \"xla\": never our kernel"),
     Rule("f16-accumulation", ("product",), ("auto",), _f16_accumulation_rule, "kernel",
          "accumulation=\"f16\" asked for; f16; unbatched, aligned, 16-bit output; M, N, K >= 4096; the last wave "
@@ -260,6 +281,8 @@ RULES: tuple[Rule, ...] = (
          "aligned, unbatched, jnp.dot's layout, 16-bit output, M and N >= 16384, K >= 4096",
          _evidence("wide_aligned_a.json", "wide_aligned_b.json", "wide_default_path.json",
                    "wide_short_k.json")),
+    Rule("ragged-default", RAGGED_OPS, ("auto",), _always, "xla",
+         "grouped products: jax's ragged_dot lowering until the grouped kernel's measurements back a rule"),
     Rule("default", ("product", "dense"), ("auto",), _always, "xla",
          "elsewhere: aligned shapes tie cuBLASLt at best, small and decode-sized ones lose",
          _evidence("sweep_2.json", "sweep_f16.json", "sweep_bf16.json",

@@ -248,6 +248,66 @@ ffi::Error GemmFusedDerivativeImpl(cudaStream_t stream, ffi::AnyBuffer a,
              kernel_kind_info(KernelKind::kPersistentFusedDerivative).stages, workspace, stream);
 }
 
+// A grouped product (ragged_dot), by the `kernel` attribute's kind:
+//  grouped (ragged rows): a [M, K], b [G, K, N] (or [G, N, K] with transpose_b),
+//    c [M, N]: rows of group g (group_sizes, in order) times b[g]; rows past the sizes'
+//    sum are zeros. With `period` P > 0 (vmap over a, b shared): group g times
+//    b[g % P], b having P - 1 entries, and groups g % P == P - 1 are gaps (zeros).
+//  grouped_k (ragged contraction): a [R, Ka], b [R, N], c [G, Ka, N]: per group g, its
+//    rows of a, transposed, times its rows of b.
+// group_sizes is int32 [G], read on the device; c is a's type or f32.
+ffi::Error RaggedDotImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer group_sizes,
+                         ffi::Result<ffi::AnyBuffer> c, ffi::Result<ffi::AnyBuffer> workspace, int32_t transpose_b,
+                         int32_t kernel, int32_t period) {
+  const std::string target = "jax_hopper_ragged_dot";
+  KernelKind kind;
+  if (const Status st = kernel_kind_for_target(kernel, target, &kind); !st.ok()) return to_ffi(target, st);
+  const auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions(), dg = group_sizes.dimensions();
+  const std::string shapes = " (a" + shape_str(da) + ", b" + shape_str(db) + ", group_sizes" + shape_str(dg) +
+                             ", c" + shape_str(dc) + ", transpose_b=" + std::to_string(transpose_b) + ")";
+  const auto type = a.element_type();
+  if (b.element_type() != type || (type != ffi::DataType::F16 && type != ffi::DataType::BF16) ||
+      (c->element_type() != type && c->element_type() != ffi::DataType::F32) ||
+      group_sizes.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument(target + ": a and b must both be f16 or both bf16, c of their type or f32, "
+                                       "group_sizes int32");
+  if (dg.size() != 1 || da.size() != 2) return ffi::Error::InvalidArgument(target + ": bad ranks" + shapes);
+  const int64_t groups = dg[0];
+  GemmArgs args;
+  args.dtype = type == ffi::DataType::F16 ? ElementType::kF16 : ElementType::kBF16;
+  args.c_f32 = c->element_type() == ffi::DataType::F32;
+  if (kind == KernelKind::kGrouped) {
+    const int64_t entries = period > 0 ? period - 1 : groups;
+    const bool ok = db.size() == 3 && dc.size() == 2 && db[0] == entries && dc[0] == da[0] &&
+                    (transpose_b ? db[2] == da[1] && dc[1] == db[1] : db[1] == da[1] && dc[1] == db[2]);
+    if (!ok) return ffi::Error::InvalidArgument(target + ": ragged rows take a [M, K], b [G, K, N] (or [G, N, K] "
+                                                "with transpose_b; G = period - 1 with a period), c [M, N]" + shapes);
+    args.group_period = period;
+    args.m = da[0], args.k = da[1], args.n = dc[1];
+    args.major_a = Major::kK;
+    args.major_b = transpose_b ? Major::kK : Major::kMN;
+    args.batch_stride_b = db[1] * db[2];
+  } else {
+    const bool ok = !transpose_b && period == 0 && db.size() == 2 && dc.size() == 3 && db[0] == da[0] && dc[0] == groups &&
+                    dc[1] == da[1] && dc[2] == db[1];
+    if (!ok) return ffi::Error::InvalidArgument(target + ": the ragged contraction takes a [R, M], b [R, N], "
+                                                "c [G, M, N]" + shapes);
+    args.m = da[1], args.k = da[0], args.n = db[1];
+    args.major_a = Major::kMN;
+    args.major_b = Major::kMN;
+    args.batch_stride_c = args.m * args.n;
+  }
+  args.lda = da[1];
+  args.ldb = db.back();
+  args.ldc = args.n;
+  args.a = a.untyped_data();
+  args.b = b.untyped_data();
+  args.c = c->untyped_data();
+  args.group_sizes = group_sizes.untyped_data();
+  args.groups = groups;
+  return run(target, args, kind, kernel_kind_info(kind).stages, workspace, stream);
+}
+
 }  // namespace
 
 uint64_t ffi_handler_runs() { return handler_runs.load(std::memory_order_relaxed); }
@@ -307,4 +367,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperGemmFusedDerivative, jax_hopper::GemmFuse
                                   .Attr<int32_t>("transpose_a")
                                   .Attr<int32_t>("transpose_b")
                                   .Attr<int32_t>("activation"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxHopperRaggedDot, jax_hopper::RaggedDotImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes (int32 [G])
+                                  .Ret<ffi::AnyBuffer>()  // c
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<int32_t>("transpose_b")
+                                  .Attr<int32_t>("kernel")
+                                  .Attr<int32_t>("period"),
                               {ffi::Traits::kCmdBufferCompatible});

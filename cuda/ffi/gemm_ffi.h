@@ -41,3 +41,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemmFusedGrad);
 // [M, N], all of one 16-bit type. Attributes: transpose_a, transpose_b, activation (as
 // above, not 0). N must be a multiple of 8 (D is written by TMA only).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperGemmFusedDerivative);
+
+// Grouped products (ragged_dot). Operands: a, b (one 16-bit type), group_sizes (int32
+// [G]); result c (their type or f32). Attributes: kernel (grouped: a [M, K], b [G, K, N]
+// or with transpose_b [G, N, K], c [M, N], each group's rows of a times its b; grouped_k:
+// a [R, M], b [R, N], c [G, M, N], per group its rows of a transposed times its rows of
+// b), transpose_b, period (grouped: 0, or batch entries of `period` groups sharing b's
+// period - 1 entries, each ending with a gap group of zeros).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxHopperRaggedDot);

@@ -25,6 +25,7 @@ NB_MODULE(_jax_hopper, m) {
     targets["jax_hopper_gemm_fused_grad"] = nb::capsule(reinterpret_cast<void*>(JaxHopperGemmFusedGrad));
     targets["jax_hopper_gemm_fused_derivative"] =
         nb::capsule(reinterpret_cast<void*>(JaxHopperGemmFusedDerivative));
+    targets["jax_hopper_ragged_dot"] = nb::capsule(reinterpret_cast<void*>(JaxHopperRaggedDot));
     return targets;
   });
   m.def(

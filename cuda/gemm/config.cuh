@@ -67,6 +67,14 @@ struct GemmConfig {
   // fused kinds hand tiles out by a global ticket counter in the order clusters finish;
   // the default's ablations and the experimental kinds walk them in a grid stride.
   static constexpr bool kDynamicTiles = kKind == KernelKind::kPersistent || kFusedEpilogue;
+  // Grouped products (ragged_dot, grouped_kernel.cuh): the group sizes live on the
+  // device, so each CTA reads them into a table (scheduler/group_table.cuh) and walks
+  // the tiles of every group in a grid stride. Ragged rows (kGrouped: a group's rows of
+  // A times its own B) or a ragged contraction (kGroupedK: per group, the transposed
+  // rows of A times the same rows of B, a batch entry of C each). Tiles cross group
+  // boundaries, so C goes out from registers, masked at the group's last row.
+  static constexpr bool kGrouped = kKind == KernelKind::kGrouped || kKind == KernelKind::kGroupedK;
+  static constexpr bool kRaggedK = kKind == KernelKind::kGroupedK;
   static constexpr bool kDefaultOrStatic = kKind == KernelKind::kPersistent || kKind == KernelKind::kPersistentStatic;
   static constexpr bool kTmaStoreEpilogue = kKind == KernelKind::kPersistentTma || kDefaultOrStatic ||
                                             kKind == KernelKind::kPersistentImmediate ||
@@ -77,7 +85,8 @@ struct GemmConfig {
   // (Not for the small-M kind: one consumer warpgroup has registers to spare.)
   static constexpr bool kProducerWarpgroup = kDefaultOrStatic || kKind == KernelKind::kPersistentImmediate ||
                                              kKind == KernelKind::kPersistentWait0 || kFusedEpilogue ||
-                                             kKind == KernelKind::kPersistentStreamK || kF16Accumulate || kPingpong;
+                                             kKind == KernelKind::kPersistentStreamK || kF16Accumulate || kPingpong ||
+                                             kGrouped;
   // The deferred store (epilogue/deferred_store.cuh): a tile's 16-bit output is packed into registers
   // and staged and stored during the next tile's first K tiles, under its MMAs, instead
   // of between the two tiles while the tensor cores wait. The packed tile (64 registers)
@@ -206,6 +215,9 @@ struct GemmConfig {
                 "the deferred store: one f32 row block per warpgroup, plain epilogue, the consumers' extra registers");
   static_assert(!kSplitK || (!kPersistent && !kFusedEpilogue && kConsumerWarpgroups == 1),
                 "split K: one CTA per piece, one consumer warpgroup, plain epilogue");
+  static_assert(!kGrouped || (kPersistent && !kTmaStoreEpilogue && !kDynamicTiles && kClusterM == 2 &&
+                              kConsumerWarpgroups == 2 && kMmaBlocksM == 1),
+                "grouped: 2-CTA clusters in a grid stride, two 64-row warpgroups, register stores");
   static_assert(!kDynamicTiles || (kPersistent && !kStreamK && !kPingpong && kClusterM == 2),
                 "the dynamic order hands whole tiles to 2-CTA clusters");
   static_assert(!kStagedOperand || kStoreBuffers == kOperandSubtiles, "a store buffer per sub-tile of the operand");

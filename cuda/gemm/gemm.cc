@@ -116,6 +116,45 @@ Status find_instance(const GemmArgs& args, const KernelChoice& choice, const Ins
   return Status::Invalid("no compiled " + what + " (jax_hopper/_kernels.py lists the instances)");
 }
 
+bool grouped_kind(KernelKind kind) { return kind == KernelKind::kGrouped || kind == KernelKind::kGroupedK; }
+
+// A grouped product's contract (gemm.h: GemmArgs::group_sizes): the kind's layouts, the
+// operands TMA reads, C's extent; K == 0 (no rows to sum, or nothing to contract) is C = 0.
+Status grouped_gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t stream) {
+  const bool ragged_k = choice.kind == KernelKind::kGroupedK;
+  if (args.fused() || args.batch != 1) return Status::Invalid("a grouped product takes no batch and no epilogue");
+  if (args.group_sizes == nullptr || args.groups < 1)
+    return Status::Invalid("a grouped product needs the group sizes (at least one group)");
+  if (ragged_k ? (args.major_a != Major::kMN || args.major_b != Major::kMN) : args.major_a != Major::kK)
+    return Status::Invalid(ragged_k ? "the ragged contraction reads A [k, m] and B [k, n]"
+                                    : "ragged rows read A [m, k]");
+  if (args.k_stored_a != 0 || args.k_stored_b != 0) return Status::Invalid("a grouped product stores all of K");
+  const size_t c_bytes = args.c_f32 ? sizeof(float) : 2;
+  const int64_t c_entries = ragged_k ? args.groups : 1;
+  if (args.ldc != args.n || (c_entries > 1 && args.batch_stride_c != args.m * args.ldc))
+    return Status::Invalid("a grouped product's C is contiguous");
+  if (args.k == 0) {
+    const cudaError_t err = cudaMemsetAsync(args.c, 0, c_entries * args.m * args.ldc * c_bytes, stream);
+    return err == cudaSuccess ? Status::Ok() : Status::Internal(std::string("cudaMemsetAsync: ") + cudaGetErrorString(err));
+  }
+  const bool b_k_major = args.major_b == Major::kK;
+  Status st = ragged_k ? check_operand("A", args.a, args.k, args.lda, args.m, 1, 0)
+                       : check_operand("A", args.a, args.m, args.lda, args.k, 1, 0);
+  if (!st.ok()) return st;
+  if (args.group_period != 0 && (ragged_k || args.group_period < 2 || args.groups % args.group_period != 0))
+    return Status::Invalid("a group period batches ragged rows: at least 2, dividing the groups");
+  const int64_t b_entries = ragged_k ? 1 : (args.group_period > 0 ? args.group_period - 1 : args.groups);
+  st = check_operand("B", args.b, b_k_major ? args.n : args.k, args.ldb, b_k_major ? args.k : args.n, b_entries,
+                     args.batch_stride_b);
+  if (!st.ok()) return st;
+  st = check_device();
+  if (!st.ok()) return st;
+  const Instance* inst = nullptr;
+  st = find_instance(args, choice, &inst);
+  if (!st.ok()) return st;
+  return inst->launch(args, stream);
+}
+
 }  // namespace
 
 const KernelKindInfo* kernel_kind_info(int32_t id) {
@@ -157,6 +196,9 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
   constexpr uintptr_t kWorkspaceAlign = 16;  // the partial sums' float4s
   if (args.workspace_bytes > 0 && reinterpret_cast<uintptr_t>(args.workspace) % kWorkspaceAlign != 0)
     return Status::Invalid("the workspace is not 16-byte aligned");
+  if (grouped_kind(choice.kind) != (args.group_sizes != nullptr))
+    return Status::Invalid("group sizes go with a grouped kind, and only there");
+  if (grouped_kind(choice.kind)) return grouped_gemm(args, choice, stream);
   if (args.ldc < args.n) return Status::Invalid("C row length is shorter than N");
   if (args.batch > 1 && args.batch_stride_c < args.m * args.ldc) return Status::Invalid("C batch entries overlap");
   const size_t c_bytes = args.c_f32 ? sizeof(float) : 2;

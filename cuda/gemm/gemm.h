@@ -81,6 +81,15 @@ struct GemmArgs {
   // counter and the split kinds' partial sums. Nothing is allocated at run time.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // Grouped kinds (ragged_dot; launch.cuh: launch_grouped): int32 [groups] group sizes
+  // on the device, splitting A's rows (kGrouped: B has `groups` entries, C is [m, n])
+  // or the contraction's k rows (kGroupedK: C has `groups` entries [m, n]).
+  const void* group_sizes = nullptr;
+  int64_t groups = 0;
+  // kGrouped, batched: every group_period groups are one batch entry whose last group
+  // is a gap (zeros); group g multiplies B's entry g % group_period (B has
+  // group_period - 1 entries). 0: group g multiplies entry g.
+  int64_t group_period = 0;
 };
 
 // The kernel kinds (KernelKind, generated; jax_hopper/_kernels.py says what each is for).

@@ -11,6 +11,7 @@
 
 #include "gemm/config.cuh"
 #include "gemm/gemm.h"
+#include "gemm/grouped_kernel.cuh"
 #include "gemm/kernel.cuh"
 #include "gemm/scheduler/split_k.cuh"
 #include "gemm/scheduler/stream_k.cuh"
@@ -522,10 +523,71 @@ size_t workspace_bytes(const GemmArgs& args, int sms) {
   return bytes;
 }
 
+// A grouped product (ragged_dot; gemm.h: GemmArgs::group_sizes). Ragged rows: A [m, k]
+// K-major, B `groups` entries batch_stride_b apart, C [m, n]. The ragged contraction:
+// A [k, m] and B [k, n], both MN-major (k: the rows the groups split), C `groups`
+// entries [m, n] batch_stride_c apart. One CTA per SM in 2-CTA clusters, or fewer where
+// the product has fewer tiles at most (the group sizes are unknown here).
+template <class Cfg>
+Status launch_grouped(const GemmArgs& args, cudaStream_t stream) {
+  using LayoutA = typename Cfg::LayoutA;
+  using LayoutB = typename Cfg::LayoutB;
+  if (args.groups < 1 || args.groups > kMaxGroups)
+    return Status::Invalid("grouped products take 1 to " + std::to_string(kMaxGroups) + " groups, got " +
+                           std::to_string(args.groups));
+  CUtensorMap tmap_a, tmap_b;
+  Status st = encode_operand<LayoutA>(&tmap_a, args.a, args.m, args.k, args.lda, 1, 0);
+  if (!st.ok()) return st;
+  // Ragged rows: B has an entry per group, or per group of a period but its gap.
+  const int64_t b_entries = Cfg::kRaggedK ? 1 : (args.group_period > 0 ? args.group_period - 1 : args.groups);
+  st = encode_operand<LayoutB>(&tmap_b, args.b, args.n, args.k, args.ldb, b_entries,
+                               Cfg::kRaggedK ? 0 : args.batch_stride_b);
+  if (!st.ok()) return st;
+
+  constexpr size_t kSmem = smem_bytes<Cfg>();
+  static_assert(kSmem <= kMaxSmemPerBlock, "pipeline stages and the group table do not fit in shared memory");
+  const auto kernel = grouped_kernel<Cfg>;
+  int resident = 0;
+  st = prepare_device<Cfg>(reinterpret_cast<const void*>(kernel), kSmem, &resident);
+  if (!st.ok()) return st;
+
+  const int64_t m_blocks = ceil_div(args.m, Cfg::kBlockM), n_blocks = ceil_div(args.n, Cfg::kBlockN);
+  // Cluster tiles at most. Ragged rows: group g has ceil(ceil(s_g / BM) / 2) row pairs,
+  // which sum to at most (m_blocks + 2 G) / 2 however the rows fall.
+  const int64_t row_pairs = Cfg::kRaggedK ? args.groups * ceil_div(m_blocks, Cfg::kClusterM)
+                                          : (m_blocks + 2 * args.groups) / Cfg::kClusterM;
+  const int64_t most_tiles = row_pairs * n_blocks;
+  if (most_tiles > INT32_MAX) return Status::Invalid("too many output tiles for one grouped launch");
+  const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>(resident / Cfg::kClusterM, most_tiles));
+  const GroupedWork work{static_cast<const int32_t*>(args.group_sizes),
+                         static_cast<int>(args.groups),
+                         static_cast<int>(Cfg::kRaggedK ? args.k : args.m),
+                         static_cast<int>(args.m),
+                         static_cast<int>(ceil_div(args.k, Cfg::kBlockK)),
+                         static_cast<int>(m_blocks),
+                         static_cast<int>(n_blocks),
+                         static_cast<int>(clusters),
+                         static_cast<int>(args.group_period)};
+  const size_t c_bytes = args.c_f32 ? sizeof(float) : sizeof(typename Cfg::Element);
+  const bool paired = args.ldc % 2 == 0 && args.batch_stride_c % 2 == 0 &&
+                      reinterpret_cast<uintptr_t>(args.c) % (2 * c_bytes) == 0;
+  const OutputParams out{args.c,  args.ldc, Cfg::kRaggedK ? args.batch_stride_c : 0, static_cast<int>(args.m),
+                         static_cast<int>(args.n), args.c_f32, paired, false, nullptr, nullptr, 0, false,
+                         Activation::kNone, nullptr};
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t config = launch_config<Cfg>(clusters * Cfg::kClusterM, Cfg::kClusterM, kSmem, stream, &attr);
+  return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, out, work), "grouped kernel launch");
+}
+
 // The symbol each generated translation unit instantiates (instance.cu.in).
 template <KernelKind kKind, ElementType kType, Major kMajorA, Major kMajorB, int kStages>
 Status launch_gemm_instance(const GemmArgs& args, cudaStream_t stream) {
-  return launch_gemm<GemmConfig<kKind, typename ElementOf<kType>::type, kMajorA, kMajorB, kStages>>(args, stream);
+  using Cfg = GemmConfig<kKind, typename ElementOf<kType>::type, kMajorA, kMajorB, kStages>;
+  if constexpr (Cfg::kGrouped) {
+    return launch_grouped<Cfg>(args, stream);
+  } else {
+    return launch_gemm<Cfg>(args, stream);
+  }
 }
 
 template <KernelKind kKind, ElementType kType, Major kMajorA, Major kMajorB, int kStages>

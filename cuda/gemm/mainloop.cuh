@@ -55,9 +55,19 @@ struct Mainloop {
   __device__ static void load(const Pipe& pipe, Storage& smem, const CUtensorMap* tmap_a,
                               const CUtensorMap* tmap_b, TileCoord tile, int k_begin, int k_end, int cta_rank,
                               int a_rows, State& st, FirstStage first_stage = {}) {
+    load_at(pipe, smem, tmap_a, tmap_b, tile.m_block * Cfg::kBlockM, tile.n_block * Cfg::kBlockN, 0, k_begin, k_end,
+            tile.batch, tile.batch, cta_rank, a_rows, st, first_stage);
+  }
+
+  // The same from element coordinates: A's rows from m0, B's from n0, K tile kt at K
+  // element k_offset + kt * kBlockK, each operand's own batch entry (the grouped kinds:
+  // a group's rows anywhere in A, its B entry).
+  template <class FirstStage = NoStageMark>
+  __device__ static void load_at(const Pipe& pipe, Storage& smem, const CUtensorMap* tmap_a,
+                                 const CUtensorMap* tmap_b, int m0, int n0, int k_offset, int k_begin, int k_end,
+                                 int batch_a, int batch_b, int cta_rank, int a_rows, State& st,
+                                 FirstStage first_stage = {}) {
     const uint32_t stage_bytes = Cfg::stage_bytes(a_rows);
-    const int m0 = tile.m_block * Cfg::kBlockM;
-    const int n0 = tile.n_block * Cfg::kBlockN;
     // This CTA's share of B, delivered to every CTA of the cluster.
     constexpr uint16_t kClusterMask = Cfg::kClusterM > 1 ? (1u << Cfg::kClusterM) - 1 : 0;
     const int first_b_box = cta_rank * LayoutB::kBoxesPerCta;
@@ -69,8 +79,9 @@ struct Mainloop {
       // the peers' shares of B land on this CTA's barrier too.
       pipe.producer_expect(st, stage_bytes + marked);
       auto& stage = smem.stages[st.index];
-      load_tile<LayoutA>(stage.a, tmap_a, bar, m0, kt * Cfg::kBlockK, tile.batch, 0, 0);
-      load_tile<LayoutB>(stage.b, tmap_b, bar, n0, kt * Cfg::kBlockK, tile.batch, first_b_box, kClusterMask);
+      const int k0 = k_offset + kt * Cfg::kBlockK;
+      load_tile<LayoutA>(stage.a, tmap_a, bar, m0, k0, batch_a, 0, 0);
+      load_tile<LayoutB>(stage.b, tmap_b, bar, n0, k0, batch_b, first_b_box, kClusterMask);
       st.advance();
     }
   }
@@ -148,21 +159,26 @@ struct Mainloop {
   // under way, and the previous tile's epilogue a K tile behind (the backward form
   // loads its staged operand there).
   // `during(kt)` runs once K tile kt's MMAs are committed, before the wait: work there
-  // (the deferred store of the previous tile) overlaps them.
+  // (the deferred store of the previous tile) overlaps them. `ready(kt, stage)` runs
+  // once K tile kt's stage has arrived, before its MMAs read it (the ragged
+  // contraction zeroes the rows past its group there).
   struct Nothing {
     __device__ void operator()() const {}
     __device__ void operator()(int) const {}
+    __device__ void operator()(int, int) const {}
   };
   static constexpr int kStartedAfter = 1;
-  template <class Issued = Nothing, class Started = Nothing, class During = Nothing>
+  template <class Issued = Nothing, class Started = Nothing, class During = Nothing, class Ready = Nothing>
   __device__ static void mma(const Pipe& pipe, const Storage& smem, int a_slice, int k_tiles, Acc& acc,
-                             State& read, Issued issued = {}, Started started = {}, During during = {}) {
+                             State& read, Issued issued = {}, Started started = {}, During during = {},
+                             Ready ready = {}) {
     const bool elected = hopper::thread_in_warpgroup() == 0;
     const int started_after = k_tiles > kStartedAfter ? kStartedAfter : k_tiles - 1;
     State release = read;  // the stage whose MMA retires next
     for (int kt = 0; kt < k_tiles; ++kt) {
       pipe.consumer_wait(read);
       JH_TIMELINE_MARK(kt == 0 && threadIdx.x == 0, kTimelineFirstData);
+      ready(kt, read.index);
       hopper::wgmma_fence();
       mma_k_tile(smem.stages[read.index], a_slice, acc, /*accumulate=*/kt > 0);
       hopper::wgmma_commit_group();

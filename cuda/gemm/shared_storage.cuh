@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "gemm/config.cuh"
+#include "gemm/scheduler/group_table.cuh"
 #include "gemm/scheduler/tile_tickets.cuh"
 #include "hopper/warpgroup.cuh"
 
@@ -58,13 +59,18 @@ struct ColumnSumStorage {
 template <class Cfg>
 struct ColumnSumStorage<Cfg, false> {};
 
-// The dynamic tile order's per-stage tile slots and producer mailbox.
-template <class Cfg, bool = Cfg::kDynamicTiles>
-struct TicketStorageOf {
+// What the scheduler keeps: the dynamic tile order's per-stage tile slots and producer
+// mailbox, or the grouped kinds' table of groups.
+template <class Cfg, bool = Cfg::kDynamicTiles, bool = Cfg::kGrouped>
+struct SchedulerStorage {
   TicketStorage<Cfg::kStages> tickets;
 };
 template <class Cfg>
-struct TicketStorageOf<Cfg, false> {};
+struct SchedulerStorage<Cfg, false, true> {
+  GroupTableStorage groups;
+};
+template <class Cfg>
+struct SchedulerStorage<Cfg, false, false> {};
 
 template <class Cfg>
 struct SharedStorage {
@@ -80,7 +86,7 @@ struct SharedStorage {
   ColumnSumStorage<Cfg> column_sums;
   uint64_t full[Cfg::kStages];   // TMA -> consumers: the stage holds fresh data
   uint64_t empty[Cfg::kStages];  // consumers -> TMA: the stage may be overwritten
-  TicketStorageOf<Cfg> dynamic;  // last: the other kinds' offsets stay as they were
+  SchedulerStorage<Cfg> scheduler;  // last: the other kinds' offsets stay as they were
 };
 
 // Dynamic shared memory requested at launch: the storage plus slack to align its base.

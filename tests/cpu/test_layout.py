@@ -21,8 +21,9 @@ LAYERS = (
     ("_rules",),
     ("_dispatch",),
     ("primitives", "primitives.gemm", "primitives.dense_derivative", "primitives.dense_grad", "primitives.dense",
-     "primitives.mlp_tangent"),
+     "primitives.mlp_tangent", "primitives.ragged_dot"),
     ("ops",),
+    ("ragged",),
     ("layers",),
     ("nn", "__init__"),
 )

@@ -24,8 +24,9 @@ struct DirectStore {
   using Acc = typename Cfg::Accumulator[Cfg::kBlockAccumulatorRegisters];
   using Frag = Fragment<typename Cfg::Accumulator>;
 
+  // Rows from `rows` on are masked (C's M, or a grouped tile's group end).
   template <class Out>
-  __device__ static void store_as(const Acc& acc, const OutputParams& out, int batch, int row0, int col0) {
+  __device__ static void store_as(const Acc& acc, const OutputParams& out, int batch, int row0, int col0, int rows) {
     const int t = hopper::thread_in_warpgroup();
     const int warp = t / hopper::kWarpSize;
     const int lane = t % hopper::kWarpSize;
@@ -35,7 +36,7 @@ struct DirectStore {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = r + half * kHalfRows;
-      if (row >= out.m) continue;
+      if (row >= rows) continue;
       Out* dst_row = base + static_cast<int64_t>(row) * out.ldc;
 #pragma unroll
       for (int j = 0; j < kColBlocks; ++j) {
@@ -71,10 +72,13 @@ struct DirectStore {
   }
 
   __device__ static void store(const Acc& acc, const OutputParams& out, int batch, int row0, int col0) {
+    store(acc, out, batch, row0, col0, out.m);
+  }
+  __device__ static void store(const Acc& acc, const OutputParams& out, int batch, int row0, int col0, int rows) {
     if (out.f32) {
-      store_as<float>(acc, out, batch, row0, col0);
+      store_as<float>(acc, out, batch, row0, col0, rows);
     } else {
-      store_as<typename Cfg::Element>(acc, out, batch, row0, col0);
+      store_as<typename Cfg::Element>(acc, out, batch, row0, col0, rows);
     }
   }
 };

@@ -200,14 +200,14 @@ struct DynamicScheduler : SchedulerBase<Cfg> {
   using typename Base::Storage;
   using Tickets = TileTickets<Cfg::kStages, Cfg::kClusterM>;
 
-  __device__ static void init(Storage& smem) { Tickets::init(smem.dynamic.tickets); }
+  __device__ static void init(Storage& smem) { Tickets::init(smem.scheduler.tickets); }
 
   // The producer's tiles, the same on both ranks: rank 0 takes a ticket per tile and
   // hands it to rank 1. A unit is its tile index (kNoTile after the last).
   static constexpr bool kTicketed = true;
   struct Producer : Tickets {
     __device__ Producer(Storage& smem, uint32_t* counter, const WorkList& work, int64_t cluster, int cta_rank)
-        : Tickets(smem.dynamic.tickets, counter, work.num_tiles, work.clusters, cluster, cta_rank) {}
+        : Tickets(smem.scheduler.tickets, counter, work.num_tiles, work.clusters, cluster, cta_rank) {}
   };
   // Tiles fit in int32 (host-checked): 32-bit division.
   __device__ TileCoord tile(int32_t t) const { return this->order.tile(t, this->cta_rank); }
@@ -218,7 +218,7 @@ struct DynamicScheduler : SchedulerBase<Cfg> {
     TileCoord tile;
     int cta_rank;
     __device__ StageMark(const DynamicScheduler& s, const TileCoord& t)
-        : slots(s.smem.dynamic.tickets), tile(t), cta_rank(s.cta_rank) {}
+        : slots(s.smem.scheduler.tickets), tile(t), cta_rank(s.cta_rank) {}
     __device__ uint32_t operator()(int index, uint64_t* bar) const {
       return mark_stage(slots, index, tile, static_cast<uint32_t>(cta_rank), bar);
     }
@@ -227,7 +227,7 @@ struct DynamicScheduler : SchedulerBase<Cfg> {
   // The end mark: a fresh stage with no loads, only the mark.
   static constexpr int kEndStages = 1;
   __device__ void end(const Pipe& pipe, State& st) const {
-    auto& slots = this->smem.dynamic.tickets;
+    auto& slots = this->smem.scheduler.tickets;
     pipe.producer_acquire(st);
     uint64_t* bar = pipe.producer_barrier(st);
     const TileCoord end{kNoTile, 0, 0};
@@ -240,7 +240,7 @@ struct DynamicScheduler : SchedulerBase<Cfg> {
     StageTileCursor<Pipe, State> cursor;
     __device__ Consumer(const DynamicScheduler&, Storage& smem, const WorkList& work, int64_t, const Pipe& pipe,
                         State& read, int)
-        : cursor{pipe, smem.dynamic.tickets.stage_tile, read, work.k_tiles} {}
+        : cursor{pipe, smem.scheduler.tickets.stage_tile, read, work.k_tiles} {}
     __device__ bool next(WorkUnit& unit) { return cursor.next(unit); }
     // Decoded by the producer.
     __device__ TileCoord tile(const DynamicScheduler&, const WorkUnit&) const { return cursor.coord; }

@@ -1,0 +1,206 @@
+"""CPU tests of the grouped products (ragged_dot): which forms reach the primitives, what
+they lower to for CUDA, the dispatcher's rules, and the derivative rules' arithmetic
+(on CPU the primitives compute through jax's ragged_dot_general, so the transposes'
+forms are checked against the float64 reference here; the kernel itself in
+tests/gpu/test_ragged_gpu.py)."""
+
+from __future__ import annotations
+
+import re
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import cuda_text
+from hypothesis import given, settings
+from ragged_cases import assert_within_rounding, contract_reference, operands, rows_reference, sizes_of
+
+import jax_hopper
+from jax_hopper.primitives.ragged_dot import ragged_contract, ragged_rows
+
+TARGET = "jax_hopper_ragged_dot"
+DTYPES = [pytest.param(jnp.float16, id="f16"), pytest.param(jnp.bfloat16, id="bf16")]
+ROWS_T = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+CONTRACT = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
+
+
+def _calls(text):
+    return re.findall(r"stablehlo\.custom_call @(\S+)\(", text)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pattern", ["balanced", "skewed", "sparse", "short", "one"])
+def test_equals_jax_ragged_dot(pattern, dtype):
+    lhs, rhs = operands(300, 64, 48, 8, dtype, seed=1)
+    sizes = sizes_of(pattern, 300, 8, seed=2)
+    out = jax.jit(jax_hopper.ragged_dot)(lhs, rhs, sizes)
+    expected = jax.lax.ragged_dot(lhs, rhs, sizes)
+    assert out.dtype == expected.dtype and bool((out == expected).all())
+    ref, mag = rows_reference(lhs, rhs, sizes)
+    assert_within_rounding(out, ref, mag, 64)
+
+
+def test_rows_past_the_sizes_are_zeros():
+    lhs, rhs = operands(100, 16, 24, 3, jnp.float16)
+    out = jax_hopper.ragged_dot(lhs, rhs, jnp.array([10, 0, 30], jnp.int32))
+    assert bool((out[40:] == 0).all()) and bool((out[:40] != 0).any())
+
+
+@pytest.mark.parametrize("shape", [(256, 128, 256, 8), (1000, 72, 264, 64), (17, 8, 16, 1)])
+@pytest.mark.parametrize("dims", ["GKN", "GNK", "contract"])
+def test_cuda_lowering_is_our_custom_call(shape, dims):
+    m, k, n, groups = shape
+    lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((groups,), jnp.int32)
+    if dims == "contract":
+        rhs = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+        fn, out = (lambda a, b, s: jax_hopper.ragged_dot_general(a, b, s, CONTRACT)), f"{groups}x{k}x{n}"
+    else:
+        rhs = jax.ShapeDtypeStruct((groups, n, k) if dims == "GNK" else (groups, k, n), jnp.bfloat16)
+        fn = (lambda a, b, s: jax_hopper.ragged_dot_general(a, b, s, ROWS_T)) if dims == "GNK" else \
+            jax_hopper.ragged_dot
+        out = f"{m}x{n}"
+    text = cuda_text(fn, lhs, rhs, sizes)
+    assert _calls(text) == [TARGET], _calls(text)
+    assert re.search(rf"-> \(tensor<{out}xbf16>, tensor<\d+xui8>\)", text), text
+    assert "dot_general" not in text
+
+
+def test_gradients_lower_to_our_calls():
+    lhs = jax.ShapeDtypeStruct((512, 256), jnp.float16)
+    rhs = jax.ShapeDtypeStruct((8, 256, 128), jnp.float16)
+    sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+
+    def loss(a, b, s):
+        return jax_hopper.ragged_dot(a, b, s).astype(jnp.float32).sum()
+
+    text = cuda_text(jax.grad(loss, argnums=(0, 1)), lhs, rhs, sizes)
+    assert _calls(text) == [TARGET, TARGET], _calls(text)  # d lhs and d rhs (the forward is unused)
+
+
+@pytest.mark.parametrize("reason", ["unaligned K", "too many groups", "f32 operands", "group offset"])
+def test_other_forms_are_jax_s(reason):
+    lhs, rhs, sizes = (jax.ShapeDtypeStruct((64, 64), jnp.float16), jax.ShapeDtypeStruct((4, 64, 64), jnp.float16),
+                       jax.ShapeDtypeStruct((4,), jnp.int32))
+    kwargs = {}
+    if reason == "unaligned K":
+        lhs, rhs = jax.ShapeDtypeStruct((64, 60), jnp.float16), jax.ShapeDtypeStruct((4, 60, 64), jnp.float16)
+    elif reason == "too many groups":
+        rhs, sizes = jax.ShapeDtypeStruct((1100, 64, 64), jnp.float16), jax.ShapeDtypeStruct((1100,), jnp.int32)
+    elif reason == "f32 operands":
+        lhs, rhs = (jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (lhs, rhs))
+    if reason == "group offset":
+        kwargs["group_offset"] = jax.ShapeDtypeStruct((1,), jnp.int32)
+    path = jax_hopper.ragged_dot_path(lhs, rhs, sizes, **kwargs)
+    assert path.path == "xla", path
+    if reason == "group offset":  # jax's own answer, unchanged
+        args = (jnp.zeros((8, 8), jnp.float16), jnp.zeros((2, 8, 8), jnp.float16), jnp.array([4, 4], jnp.int32))
+        offset = jnp.array([1], jnp.int32)
+        try:
+            expected = jax.lax.ragged_dot(*args, group_offset=offset)
+        except Exception as err:
+            with pytest.raises(type(err)):
+                jax_hopper.ragged_dot(*args, group_offset=offset)
+        else:
+            assert bool((jax_hopper.ragged_dot(*args, group_offset=offset) == expected).all())
+    else:
+        assert _calls(cuda_text(jax_hopper.ragged_dot, lhs, rhs, sizes)) == []
+
+
+def test_dispatch_rules():
+    lhs, rhs, sizes = (jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((8, 2048, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
+    with jax_hopper.dispatch("kernel"):
+        assert jax_hopper.ragged_dot_path(lhs, rhs, sizes).kind == "grouped"
+        contract = jax_hopper.ragged_dot_path(lhs, jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16), sizes, CONTRACT)
+        assert (contract.path, contract.kind) == ("kernel", "grouped_k")
+    with jax_hopper.dispatch("xla"):
+        assert jax_hopper.ragged_dot_path(lhs, rhs, sizes).path == "xla"
+    with jax_hopper.dispatch("auto"):
+        assert jax_hopper.ragged_dot_path(lhs, rhs, sizes).rule.startswith("ragged")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose", [False, True], ids=["GKN", "GNK"])
+def test_gradients_match_the_reference(transpose, dtype):
+    m, k, n, groups = 200, 32, 40, 5
+    lhs, rhs = operands(m, k, n, groups, dtype, transpose=transpose, seed=3)
+    sizes = sizes_of("short", m, groups, seed=4)
+    ct = jax.random.normal(jax.random.key(5), (m, n), jnp.float32).astype(dtype)
+    dims = ROWS_T if transpose else jax.lax.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
+    _, vjp = jax.vjp(lambda a, b: jax_hopper.ragged_dot_general(a, b, sizes, dims), lhs, rhs)
+    d_lhs, d_rhs = vjp(ct)
+    rhs_gkn = jnp.swapaxes(rhs, 1, 2) if transpose else rhs
+    ref, mag = rows_reference(ct, jnp.swapaxes(rhs_gkn, 1, 2), sizes)
+    assert_within_rounding(d_lhs, ref, mag, n)
+    ref, mag = contract_reference(lhs, ct, sizes)
+    if transpose:
+        ref, mag = ref.transpose(0, 2, 1), mag.transpose(0, 2, 1)
+    assert_within_rounding(d_rhs, ref, mag, m)
+    assert d_lhs.dtype == dtype and d_rhs.dtype == dtype
+
+
+def test_second_order_and_the_contraction_s_gradients():
+    m, a, b, groups = 120, 16, 24, 4
+    x, _ = operands(m, a, 8, 1, jnp.float32, seed=6)
+    y, _ = operands(m, b, 8, 1, jnp.float32, seed=7)
+    x, y = x.astype(jnp.bfloat16), y.astype(jnp.bfloat16)
+    sizes = sizes_of("balanced", m, groups)
+    ct = jax.random.normal(jax.random.key(8), (groups, a, b), jnp.float32).astype(jnp.bfloat16)
+    _, vjp = jax.vjp(lambda p, q: ragged_contract(p, q, sizes), x, y)
+    d_x, d_y = vjp(ct)
+    ref, mag = rows_reference(y, jnp.swapaxes(ct, 1, 2), sizes)  # d x[r] = ct[g] y[r]
+    assert_within_rounding(d_x, ref, mag, b)
+    ref, mag = rows_reference(x, ct, sizes)  # d y[r] = x[r] ct[g]
+    assert_within_rounding(d_y, ref, mag, a)
+    # jvp of the forward: bilinear.
+    lhs, rhs = operands(64, 16, 16, 2, jnp.float16, seed=9)
+    s2 = jnp.array([30, 34], jnp.int32)
+    _, tangent = jax.jvp(lambda p, q: ragged_rows(p, q, s2), (lhs, rhs), (lhs, jnp.zeros_like(rhs)))
+    assert bool((tangent == ragged_rows(lhs, rhs, s2)).all())
+
+
+@pytest.mark.parametrize("sizes", [[20, 20, 24], [10, 0, 30], [50, 40, 30]], ids=["full", "short", "over"])
+def test_vmap_over_lhs_is_one_product(sizes):
+    """jax's own ragged_dot has no vmap rule for a batched lhs alone; ours folds the
+    entries into one launch (a gap group after each entry's groups)."""
+    lhs, rhs = operands(64, 16, 24, 3, jnp.float16, seed=10)
+    lhs_b = jnp.stack([lhs, -lhs, 2 * lhs])
+    sizes = jnp.array(sizes, jnp.int32)
+    f = jax.vmap(lambda x: jax_hopper.ragged_dot(x, rhs, sizes))
+    out = f(lhs_b)
+    expected = jnp.stack([jax.lax.ragged_dot(x, rhs, sizes) for x in lhs_b])
+    assert bool((out == expected).all())
+    text = cuda_text(f, lhs_b)
+    assert _calls(text) == [TARGET]
+    # Its gradients: d lhs per entry, d rhs summed over the entries.
+    ct = jax.random.normal(jax.random.key(11), out.shape, jnp.float32).astype(jnp.float16)
+    _, vjp = jax.vjp(lambda x, w: jax.vmap(lambda xi: jax_hopper.ragged_dot(xi, w, sizes))(x), lhs_b, rhs)
+    d_lhs, d_rhs = vjp(ct)
+    for b in range(3):
+        ref, mag = rows_reference(ct[b], jnp.swapaxes(rhs, 1, 2), sizes)
+        assert_within_rounding(d_lhs[b], ref, mag, 24)
+    refs = [contract_reference(lhs_b[b], ct[b], sizes) for b in range(3)]
+    ref, mag = sum(r for r, _ in refs), sum(m for _, m in refs)
+    assert_within_rounding(d_rhs, ref, mag, 3 * 64)
+
+
+def test_bad_shapes_raise_jax_s_errors():
+    with pytest.raises((TypeError, ValueError)):
+        jax_hopper.ragged_dot(jnp.zeros((8, 8), jnp.float16), jnp.zeros((2, 6, 8), jnp.float16),
+                              jnp.array([4, 4], jnp.int32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 80), k=st.sampled_from([8, 16, 24]), n=st.sampled_from([8, 16, 40]),
+       groups=st.integers(1, 9), seed=st.integers(0, 2**16), f32_out=st.booleans())
+def test_property_equals_jax(m, k, n, groups, seed, f32_out):
+    rng = np.random.default_rng(seed)
+    sizes = jnp.asarray(rng.multinomial(int(rng.integers(0, m + 1)), np.ones(groups) / groups), jnp.int32)
+    lhs, rhs = operands(m, k, n, groups, jnp.bfloat16, seed=seed)
+    out_type = jnp.float32 if f32_out else None
+    out = jax_hopper.ragged_dot(lhs, rhs, sizes, preferred_element_type=out_type)
+    expected = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=out_type)
+    assert out.dtype == expected.dtype and bool((out == expected).all())

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Grouped products (ragged_dot) side by side in one process: jax_hopper's grouped kernel
+against jax.lax.ragged_dot (XLA's lowering), its Pallas Triton lowering, and the Pallas
+Mosaic-GPU Hopper kernel (ragged_dot_mgpu, the best of a few block configurations), for
+the forward product and its two gradient products (d lhs: the cotangent against rhs
+read transposed; d rhs: the ragged contraction, against jax's ragged_dot_general and,
+for the Mosaic kernel, transposed_ragged_dot). Kernel time (CUPTI, median) and
+sustained time (back-to-back dispatches, mean over rounds), per tools/bench_protocol.py;
+the dense kernel on the same FLOPs gives the balanced cases' throughput reference.
+
+    python3 tools/bench_ragged.py --json out.json [--cases mixtral_up,olmoe] [--products fwd,dlhs,drhs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_protocol as bp  # noqa: E402
+
+import jax_hopper  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    m: int  # routed rows
+    k: int
+    n: int
+    groups: int
+    skew: str = "balanced"
+
+
+CASES = (
+    Case("mixtral_up", 16384, 4096, 14336, 8),
+    Case("mixtral_down", 16384, 14336, 4096, 8),
+    Case("deepseek_up", 65536, 7168, 2048, 256),
+    Case("deepseek_down", 65536, 2048, 7168, 256),
+    Case("deepseek_up_skewed", 65536, 7168, 2048, 256, "skewed"),
+    Case("deepseek_down_skewed", 65536, 2048, 7168, 256, "skewed"),
+    Case("olmoe", 16384, 2048, 1024, 64),
+    Case("jax_example", 16384, 2048, 16384, 16),
+)
+
+
+def group_sizes(case: Case):
+    """Balanced: M split evenly. Skewed: routing by a Zipf-like popularity (group g drawn
+    with weight 1 / (g + 1)), the same draw every run."""
+    if case.skew == "balanced":
+        sizes = np.full(case.groups, case.m // case.groups)
+        sizes[: case.m % case.groups] += 1
+    else:
+        rng = np.random.default_rng(0)
+        weights = 1.0 / np.arange(1, case.groups + 1)
+        sizes = rng.multinomial(case.m, weights / weights.sum())
+    return jnp.asarray(sizes, jnp.int32)
+
+
+def operands(case: Case, dtype):
+    kl, kr, kc = jax.random.split(jax.random.key(0), 3)
+    lhs = (jax.random.normal(kl, (case.m, case.k), jnp.float32) / case.k**0.25).astype(dtype)
+    rhs = (jax.random.normal(kr, (case.groups, case.k, case.n), jnp.float32) / case.k**0.25).astype(dtype)
+    ct = jax.random.normal(kc, (case.m, case.n), jnp.float32).astype(dtype)
+    return lhs, rhs, ct
+
+
+def ours(fn):
+    def call(*args):
+        with jax_hopper.dispatch("kernel"):
+            return fn(*args)
+    return call
+
+
+MGPU_CONFIGS = [dict(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=s, grid_block_n=gb)
+                for bm, bn, s, gb in ((128, 128, 4, 1), (128, 128, 4, 4), (64, 128, 5, 2), (128, 192, 4, 1))]
+
+
+def variants_for(product: str, sizes):
+    """[(name, fn(lhs, rhs, ct))] for one product."""
+    rows = lambda lhs, rhs, ct: jax.lax.ragged_dot(lhs, rhs, sizes)  # noqa: E731
+    # d lhs = ct [M, N] against rhs [G, K, N] contracting N: rhs read as [G, N', K'].
+    dims_t = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0])
+    dlhs = lambda lhs, rhs, ct: jax.lax.ragged_dot_general(ct, rhs, sizes, dims_t)  # noqa: E731
+    dims_c = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
+    drhs = lambda lhs, rhs, ct: jax.lax.ragged_dot_general(lhs, ct, sizes, dims_c)  # noqa: E731
+    ours_rows = lambda lhs, rhs, ct: jax_hopper.ragged_dot(lhs, rhs, sizes)  # noqa: E731
+    ours_dlhs = lambda lhs, rhs, ct: jax_hopper.ragged_dot_general(ct, rhs, sizes, dims_t)  # noqa: E731
+    ours_drhs = lambda lhs, rhs, ct: jax_hopper.ragged_dot_general(lhs, ct, sizes, dims_c)  # noqa: E731
+    jax_fn, our_fn = {"fwd": (rows, ours_rows), "dlhs": (dlhs, ours_dlhs), "drhs": (drhs, ours_drhs)}[product]
+    # The Triton lowering is a lowering-time option (and part of jit's key): time_variant sets it.
+    out = [("jax_hopper", ours(our_fn)), ("jax.lax", jax_fn), ("pallas_triton", jax_fn)]
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+    except ImportError:
+        return out
+    for i, cfg in enumerate(MGPU_CONFIGS):
+        if product == "fwd":
+            f = functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=sizes, **cfg)
+            out.append((f"mgpu[{i}]", lambda lhs, rhs, ct, f=f: f(lhs, rhs)))
+        elif product == "dlhs":
+            f = functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=sizes, transpose_rhs=True, **cfg)
+            out.append((f"mgpu[{i}]", lambda lhs, rhs, ct, f=f: f(ct, rhs)))
+        elif i == 0:
+            f = functools.partial(transposed_ragged_dot_mgpu.transposed_ragged_dot, group_sizes=sizes,
+                                  block_m=128, block_n=128, block_k=64, num_stages=4)
+            out.append(("mgpu_transposed", lambda lhs, rhs, ct, f=f: f(lhs, ct)))
+    return out
+
+
+TRITON_OPTION = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
+
+
+def time_variant(name, fn, args, protocol):
+    triton = name == "pallas_triton"
+    try:
+        if triton:
+            jax.config.update(TRITON_OPTION, True)
+        v = bp.JaxVariant(name, fn)
+        v.kernel_ms(*args)  # compile
+        kernel = statistics.median(v.kernel_ms(*args) for _ in range(protocol.kernel_samples))
+        sustained = statistics.mean(bp.sustained_ms(v, [args], kernel, protocol) for _ in range(2))
+        return {"kernel_ms": kernel, "sustained_ms": sustained}
+    except Exception as e:  # a variant that cannot take the shape (block sizes, shared memory)
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    finally:
+        if triton:
+            jax.config.update(TRITON_OPTION, False)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=",".join(c.name for c in CASES))
+    ap.add_argument("--products", default="fwd,dlhs,drhs")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--samples", type=int, default=7)
+    ap.add_argument("--no-alternatives", action="store_true", help="only ours and jax.lax")
+    ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    protocol = dataclasses.replace(bp.Protocol(), kernel_samples=args.samples, sustained_seconds=0.2)
+    dtype = jnp.dtype(args.dtype)
+    chosen = [c for c in CASES if c.name in args.cases.split(",")]
+    results = []
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        gpu = str(jax.devices()[0])
+    for case in chosen:
+        lhs, rhs, ct = operands(case, dtype)
+        sizes = group_sizes(case)
+        flops = 2.0 * case.m * case.k * case.n
+        dense = None
+        if case.skew == "balanced":  # the dense kernel on the same FLOPs
+            w = rhs[0]
+            dense = time_variant("dense", ours(lambda a, b, c: jax_hopper.matmul(a, b)), (lhs, w, ct), protocol)
+        for product in args.products.split(","):
+            row = {"case": case.name, "product": product, "m": case.m, "k": case.k, "n": case.n,
+                   "groups": case.groups, "skew": case.skew, "dtype": dtype.name, "flops": flops, "variants": {}}
+            for name, fn in variants_for(product, sizes):
+                if args.no_alternatives and name not in ("jax_hopper", "jax.lax"):
+                    continue
+                row["variants"][name] = time_variant(name, fn, (lhs, rhs, ct), protocol)
+            if dense is not None and product != "drhs":
+                row["dense_same_flops"] = dense
+            timed = {k: v for k, v in row["variants"].items() if "kernel_ms" in v}
+            ours_t = timed.get("jax_hopper")
+            others = {k: v for k, v in timed.items() if k != "jax_hopper"}
+            if ours_t and others:
+                best_name = min(others, key=lambda k: others[k]["kernel_ms"])
+                row["best_alternative"] = best_name
+                row["speedup_kernel"] = others[best_name]["kernel_ms"] / ours_t["kernel_ms"]
+                best_s = min(others, key=lambda k: others[k]["sustained_ms"])
+                row["speedup_sustained"] = others[best_s]["sustained_ms"] / ours_t["sustained_ms"]
+            if ours_t:
+                row["tflops"] = flops / ours_t["kernel_ms"] / 1e9
+                if dense is not None and "kernel_ms" in dense and product != "drhs":
+                    row["of_dense"] = dense["kernel_ms"] / ours_t["kernel_ms"]
+            results.append(row)
+            summary = " ".join(f"{k}={v.get('kernel_ms', float('nan')):.3f}" for k, v in row["variants"].items())
+            print(f"{case.name:22s} {product:5s} {summary} speedup={row.get('speedup_kernel', float('nan')):.3f} "
+                  f"of_dense={row.get('of_dense', float('nan')):.3f}", flush=True)
+    speedups = [r["speedup_kernel"] for r in results if "speedup_kernel" in r]
+    geo = math.exp(statistics.mean(math.log(s) for s in speedups)) if speedups else None
+    print(f"geometric mean speedup (kernel time) over the best alternative: {geo}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu, "jax": jax.__version__, "commit": args.commit,
+                       "date": datetime.date.today().isoformat(), "protocol": dataclasses.asdict(protocol),
+                       "geomean_speedup_kernel": geo, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
