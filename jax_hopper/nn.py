@@ -9,6 +9,11 @@ shapes and initialisers as ``flax.linen.Dense`` ("kernel" [in, features], "bias"
 ``jax_hopper.mlp``; its parameters are those of that block written with two
 ``flax.linen.Dense`` layers ("Dense_0", "Dense_1").
 
+``MoE`` is a mixture-of-experts feed-forward layer: top-k routing, the routed rows sorted
+by expert, SiLU-gated experts (up, gate and down projections) as grouped products
+(``jax_hopper.ragged_dot`` by default, or any function with ``jax.lax.ragged_dot``'s
+signature), then unsorted and weighted.
+
 A residual is added in the kernel's epilogue where jnp's promotion with the layer's
 dtype gives that dtype; a wider one (an f32 residual stream around a bf16 layer) is added after the
 layer, so the result has its type, as ``residual + flax.linen.Dense(...)(x)`` would.
@@ -16,12 +21,15 @@ layer, so the result has its type, as ``residual + flax.linen.Dense(...)(x)`` wo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jax_hopper.layers import dense, mlp
+from jax_hopper.ragged import ragged_dot
 
 
 def _dense_params(module, in_features):
@@ -99,3 +107,47 @@ class MLP(nn.Module):
         fused, residual = _fusable(residual, x.dtype, jnp.shape(x)[:-1] + (out,))
         y = mlp(x, w1, b1, w2, b2, activation=self.activation, residual=fused)
         return y if residual is None else residual + y
+
+
+class MoE(nn.Module):
+    """Top-k routed experts, each SiLU(x w_gate) * (x w_up) then w_down, on grouped products.
+
+    x [..., features] -> [..., features]. Parameters: "router" [features, num_experts]
+    (f32 logits), "up" and "gate" [num_experts, features, hidden_features], "down"
+    [num_experts, hidden_features, features]. The router's top_k probabilities,
+    renormalised, weight each token's experts. `ragged_dot` computes the grouped
+    products: ``jax_hopper.ragged_dot`` (the dispatcher's path) or
+    ``jax.lax.ragged_dot``, on the same layer.
+    """
+
+    num_experts: int
+    hidden_features: int
+    top_k: int = 2
+    dtype: Any = jnp.bfloat16
+    param_dtype: Any = jnp.float32
+    kernel_init: Callable = nn.initializers.lecun_normal(batch_axis=(0,))
+    ragged_dot: Callable = ragged_dot
+
+    @nn.compact
+    def __call__(self, x):
+        features = x.shape[-1]
+        tokens = x.reshape(-1, features)
+        experts, hidden = self.num_experts, self.hidden_features
+        router = self.param("router", nn.initializers.lecun_normal(), (features, experts), self.param_dtype)
+        up = self.param("up", self.kernel_init, (experts, features, hidden), self.param_dtype)
+        gate = self.param("gate", self.kernel_init, (experts, features, hidden), self.param_dtype)
+        down = self.param("down", self.kernel_init, (experts, hidden, features), self.param_dtype)
+
+        logits = jnp.dot(tokens.astype(jnp.float32), router.astype(jnp.float32))
+        weights, chosen = jax.lax.top_k(jax.nn.softmax(logits), self.top_k)  # [T, k]
+        weights = weights / weights.sum(-1, keepdims=True)
+        flat = chosen.reshape(-1)  # the (token, slot) pairs' experts
+        order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
+        sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
+        rows = tokens.astype(self.dtype)[order // self.top_k]
+        cast = lambda w: w.astype(self.dtype)  # noqa: E731
+        h = nn.silu(self.ragged_dot(rows, cast(gate), sizes)) * self.ragged_dot(rows, cast(up), sizes)
+        out = self.ragged_dot(h, cast(down), sizes)  # [T * k, features], sorted
+        unsorted = jnp.zeros_like(out).at[order].set(out).reshape(-1, self.top_k, features)
+        mixed = (unsorted.astype(jnp.float32) * weights[..., None]).sum(1)
+        return mixed.astype(self.dtype).reshape(x.shape)

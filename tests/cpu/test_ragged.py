@@ -204,3 +204,28 @@ def test_property_equals_jax(m, k, n, groups, seed, f32_out):
     out = jax_hopper.ragged_dot(lhs, rhs, sizes, preferred_element_type=out_type)
     expected = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=out_type)
     assert out.dtype == expected.dtype and bool((out == expected).all())
+
+
+def test_moe_layer_on_either_grouped_product():
+    """The flax MoE layer on jax_hopper.ragged_dot and on jax.lax.ragged_dot, same
+    parameters: the same values and gradients (on CPU both are jax's arithmetic)."""
+    from jax_hopper.nn import MoE
+
+    x = jax.random.normal(jax.random.key(0), (4, 32, 64), jnp.bfloat16)
+    ours = MoE(num_experts=8, hidden_features=96, top_k=2)
+    theirs = MoE(num_experts=8, hidden_features=96, top_k=2, ragged_dot=jax.lax.ragged_dot)
+    params = ours.init(jax.random.key(1), x)
+    out = jax.jit(ours.apply)(params, x)
+    assert out.shape == x.shape and out.dtype == jnp.bfloat16
+    assert bool((out == jax.jit(theirs.apply)(params, x)).all())
+
+    def loss(module):
+        return lambda p: jnp.square(module.apply(p, x).astype(jnp.float32)).mean()
+
+    g_ours, g_theirs = jax.grad(loss(ours))(params), jax.grad(loss(theirs))(params)
+    for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_theirs)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=1e-4)
+    with jax_hopper.dispatch("kernel"):
+        text = cuda_text(lambda p: jax.grad(loss(ours))(p), params)
+    # 3 forward products; d down, d h, d gate, d up (no gradient reaches the routed rows: x is data)
+    assert _calls(text).count(TARGET) == 7
