@@ -193,14 +193,20 @@ def main(argv=None):
             summary = " ".join(f"{k}={v.get('kernel_ms', float('nan')):.3f}" for k, v in row["variants"].items())
             print(f"{case.name:22s} {product:5s} {summary} speedup={row.get('speedup_kernel', float('nan')):.3f} "
                   f"of_dense={row.get('of_dense', float('nan')):.3f}", flush=True)
+            dump(args.json, gpu, args.commit, protocol, results)  # after every row: a killed run keeps its rows
+    geo = dump(args.json, gpu, args.commit, protocol, results)
+    print(f"geometric mean speedup (kernel time) over the best alternative: {geo}")
+
+
+def dump(path, gpu, commit, protocol, results):
     speedups = [r["speedup_kernel"] for r in results if "speedup_kernel" in r]
     geo = math.exp(statistics.mean(math.log(s) for s in speedups)) if speedups else None
-    print(f"geometric mean speedup (kernel time) over the best alternative: {geo}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": gpu, "jax": jax.__version__, "commit": args.commit,
+    if path:
+        with open(path, "w") as f:
+            json.dump({"gpu": gpu, "jax": jax.__version__, "commit": commit,
                        "date": datetime.date.today().isoformat(), "protocol": dataclasses.asdict(protocol),
                        "geomean_speedup_kernel": geo, "results": results}, f, indent=1)
+    return geo
 
 
 if __name__ == "__main__":
