@@ -229,3 +229,24 @@ def test_moe_layer_on_either_grouped_product():
         text = cuda_text(lambda p: jax.grad(loss(ours))(p), params)
     # 3 forward products; d down, d h, d gate, d up (no gradient reaches the routed rows: x is data)
     assert _calls(text).count(TARGET) == 7
+
+
+@pytest.mark.parametrize("axis_type", ["Auto"])
+def test_rows_sharded_under_jit(axis_type):
+    """Tokens sharded over 8 CPU devices (Auto axes): the program spans devices, so the
+    product is jax's computation, which XLA partitions; the answer is the unsharded one.
+    (On Explicit axes jax's own ragged_dot_general has no sharding rule yet, and ours
+    lowers to it there.)"""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:
+        pytest.skip("needs 8 CPU devices (jax_num_cpu_devices)")
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(getattr(AxisType, axis_type),), devices=cpus[:8])
+    lhs, rhs = operands(256, 32, 48, 4, jnp.bfloat16, seed=20)
+    sizes = sizes_of("skewed", 256, 4, seed=21)
+    expected = jax.jit(jax_hopper.ragged_dot)(lhs, rhs, sizes)
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        sharded = jax.device_put(lhs, NamedSharding(mesh, PartitionSpec("x", None)))
+        out = jax.jit(jax_hopper.ragged_dot)(sharded, rhs, sizes)
+    assert bool((out == expected).all())
