@@ -154,7 +154,7 @@ def main(argv=None):
     protocol = dataclasses.replace(bp.Protocol(), kernel_samples=args.samples, sustained_seconds=0.2)
     dtype = jnp.dtype(args.dtype)
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
-    results = []
+    results, records = [], []
     try:
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True).stdout.strip()
@@ -191,22 +191,45 @@ def main(argv=None):
                 if dense is not None and "kernel_ms" in dense and product != "drhs":
                     row["of_dense"] = dense["kernel_ms"] / ours_t["kernel_ms"]
             results.append(row)
+            records.extend(_records_of(row))
             summary = " ".join(f"{k}={v.get('kernel_ms', float('nan')):.3f}" for k, v in row["variants"].items())
             print(f"{case.name:22s} {product:5s} {summary} speedup={row.get('speedup_kernel', float('nan')):.3f} "
                   f"of_dense={row.get('of_dense', float('nan')):.3f}", flush=True)
-            dump(args.json, gpu, args.commit, protocol, results)  # after every row: a killed run keeps its rows
-    geo = dump(args.json, gpu, args.commit, protocol, results)
+            dump(args.json, gpu, args.commit, protocol, results, records)  # a killed run keeps its rows
+    geo = dump(args.json, gpu, args.commit, protocol, results, records)
     print(f"geometric mean speedup (kernel time) over the best alternative: {geo}")
 
 
-def dump(path, gpu, commit, protocol, results):
+def _records_of(row):
+    """The row as the benchmark's flat records (tools/perf_tables.py reads them): one per
+    variant that ran, and "best_alternative" (the fastest of jax's, by each clock), with
+    batch = the groups, layout = the product, ratios against jax.lax.ragged_dot."""
+    timed = {k: v for k, v in row["variants"].items() if "kernel_ms" in v}
+    base = timed.get("jax.lax")
+    others = {k: v for k, v in timed.items() if k != "jax_hopper"}
+    if others:
+        timed = dict(timed, best_alternative={clock: min(v[clock] for v in others.values())
+                                              for clock in ("kernel_ms", "sustained_ms")})
+    out = []
+    for name, t in timed.items():
+        record = {"variant": name, "batch": row["groups"], "m": row["m"], "n": row["n"], "k": row["k"],
+                  "layout": row["product"], "dtype": "bf16" if row["dtype"] == "bfloat16" else "f16",
+                  "skew": row["skew"], **t}
+        if base:
+            record["kernel_ratio_vs_jnp"] = base["kernel_ms"] / t["kernel_ms"]
+            record["sustained_ratio_vs_jnp"] = base["sustained_ms"] / t["sustained_ms"]
+        out.append(record)
+    return out
+
+
+def dump(path, gpu, commit, protocol, results, records):
     speedups = [r["speedup_kernel"] for r in results if "speedup_kernel" in r]
     geo = math.exp(statistics.mean(math.log(s) for s in speedups)) if speedups else None
     if path:
         with open(path, "w") as f:
             json.dump({"gpu": gpu, "jax": jax.__version__, "commit": commit,
                        "date": datetime.date.today().isoformat(), "protocol": dataclasses.asdict(protocol),
-                       "geomean_speedup_kernel": geo, "results": results}, f, indent=1)
+                       "geomean_speedup_kernel": geo, "results": results, "rows": records}, f, indent=1)
     return geo
 
 
