@@ -112,3 +112,22 @@ for dtype, (m, n, k), act in [(jnp.float16, (129, 264, 72), "gelu_exact"), (jnp.
     outs = jax.jit(lambda *a: fused_dense_with_derivative(*a, activation=act))(x, w, b)
     jax.block_until_ready(outs)
     print("derivative form", dtype.__name__, m, n, k, act, "done", flush=True)
+
+# The grouped kinds (ragged_dot): skewed and empty groups, groups short of a tile, rows
+# past the sizes (zeroed), rhs [G, N, K], the contraction's partial last K tile and empty
+# groups, and the batched form's gap groups.
+from jax_hopper.primitives.ragged_dot import ragged_contract, ragged_rows  # noqa: E402
+
+if _ffi.kind_compiled("grouped"):
+    for dtype, (m, k, n), sizes, transpose in [
+            (jnp.float16, (1000, 136, 264), [300, 0, 7, 500, 100], False),
+            (jnp.bfloat16, (513, 64, 128), [1, 2, 3, 0, 400], True)]:
+        ka, kb = jax.random.split(jax.random.key(m + n))
+        lhs = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
+        rhs = jax.random.normal(kb, (len(sizes),) + ((n, k) if transpose else (k, n)), jnp.float32).astype(dtype)
+        s = jnp.array(sizes, jnp.int32)
+        jax.jit(lambda a, b, g: ragged_rows(a, b, g, transpose_rhs=transpose))(lhs, rhs, s).block_until_ready()
+        jax.jit(lambda a, b, g: ragged_contract(a, b, g))(lhs, lhs[:, :n] if n <= k else lhs, s).block_until_ready()
+        jax.jit(jax.vmap(lambda a, b, g: ragged_rows(a, b, g, transpose_rhs=transpose), in_axes=(0, None, None)))(
+            jnp.stack([lhs, lhs]), rhs, s).block_until_ready()
+        print("grouped", dtype.__name__, m, k, n, sizes, transpose, "done", flush=True)
