@@ -13,11 +13,14 @@ own function unchanged, as the drop-ins for dot do.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from jax_hopper import _dispatch
+from jax_hopper import _partitioning as part
 from jax_hopper._dispatch import Decision
 from jax_hopper._problem import Problem
 from jax_hopper.ops import is_array, plain_precision
@@ -92,16 +95,81 @@ def ragged_dot_path(lhs, rhs, group_sizes, ragged_dot_dimension_numbers=ROWS_DIM
     return _dispatch.decide(_problem(op, lhs, rhs, group_sizes, transpose, out_dtype))
 
 
+# ---- rows sharded on explicit mesh axes ----------------------------------------------------
+def _row_axes(x):
+    """The explicit mesh axes that shard x's first dim and nothing else of it, or None."""
+    spec = part.value_spec(x)
+    if spec is None or not spec[0] or any(spec[1:]):
+        return None
+    return (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+
+
+def _replicated(x) -> bool:
+    spec = part.value_spec(x)
+    return spec is None or not any(spec)
+
+
+def _sharded_rows_axes(op, lhs, rhs, group_sizes):
+    """The explicit axes sharding the rows the groups split, where only they are sharded
+    (ragged rows: lhs's rows; the contraction: both operands' rows alike); else None."""
+    axes = _row_axes(lhs)
+    if axes is None or not _replicated(group_sizes):
+        return None
+    if op == "ragged_rows":
+        return axes if _replicated(rhs) else None
+    return axes if _row_axes(rhs) == axes else None
+
+
+def _local_sizes(group_sizes, rows_per_shard, axes):
+    """This shard's group sizes: the global groups' rows clipped to its row range."""
+    start = lax.axis_index(axes) * rows_per_shard
+    ends = jnp.clip(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)) - start, 0, rows_per_shard)
+    return jnp.diff(ends, prepend=0)
+
+
+def _sharded_rows(op, on_kernel, lhs, rhs, group_sizes, dims, transpose, out_dtype, axes):
+    """Each shard's rows with its own group sizes, in a shard_map over the row axes: the
+    ragged rows' shards are the result's; the contraction's partial sums are added (psum
+    in f32, then rounded once). On the kernel or, per shard, jax's computation (jax's own
+    ragged_dot has no rule for explicit sharding)."""
+    mesh = part.explicit_mesh(jax.typeof(lhs))
+    rows_spec = PartitionSpec(axes, *([None] * (lhs.ndim - 1)))
+
+    def per_device(x, w, s):
+        local = _local_sizes(s, x.shape[0], axes)
+        if op == "ragged_rows":
+            if on_kernel:
+                return ragged_rows(x, w, local, transpose_rhs=transpose, out_dtype=out_dtype)
+            return lax.ragged_dot_general(x, w, local, dims, preferred_element_type=out_dtype)
+        if on_kernel:
+            partial = ragged_contract(x, w, local, out_dtype=F32)
+        else:
+            partial = lax.ragged_dot_general(x, w, local, dims, preferred_element_type=F32)
+        return lax.psum(partial, axes).astype(out_dtype)
+
+    out_spec = rows_spec if op == "ragged_rows" else PartitionSpec()
+    rhs_spec = PartitionSpec(*([None] * rhs.ndim)) if op == "ragged_rows" else rows_spec
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(rows_spec, rhs_spec, PartitionSpec(None)),
+                         out_specs=out_spec)(lhs, rhs, group_sizes)
+
+
 def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, precision=None,
                        preferred_element_type=None, group_offset=None):
     """``jax.lax.ragged_dot_general``: the ragged-rows and ragged-contraction forms on the
-    grouped kernel where the dispatcher sends them, everything else jax's."""
+    grouped kernel where the dispatcher sends them, everything else jax's. With the rows
+    sharded on explicit mesh axes (and nothing else sharded), each shard computes its rows
+    with its own group sizes."""
     form = _form(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, precision, preferred_element_type,
                  group_offset)
     if form is not None:
         op, transpose, out_dtype = form
         decision = _dispatch.decide(_problem(op, lhs, rhs, group_sizes, transpose, out_dtype))
-        if decision.path == "kernel":
+        on_kernel = decision.path == "kernel"
+        axes = _sharded_rows_axes(op, lhs, rhs, group_sizes)
+        if axes is not None:
+            return _sharded_rows(op, on_kernel, lhs, rhs, group_sizes, ragged_dot_dimension_numbers, transpose,
+                                 out_dtype, axes)
+        if on_kernel:
             if op == "ragged_rows":
                 return ragged_rows(lhs, rhs, group_sizes, transpose_rhs=transpose, out_dtype=out_dtype)
             return ragged_contract(lhs, rhs, group_sizes, out_dtype=out_dtype)

@@ -231,12 +231,14 @@ def test_moe_layer_on_either_grouped_product():
     assert _calls(text).count(TARGET) == 7
 
 
-@pytest.mark.parametrize("axis_type", ["Auto"])
-def test_rows_sharded_under_jit(axis_type):
-    """Tokens sharded over 8 CPU devices (Auto axes): the program spans devices, so the
-    product is jax's computation, which XLA partitions; the answer is the unsharded one.
-    (On Explicit axes jax's own ragged_dot_general has no sharding rule yet, and ours
-    lowers to it there.)"""
+@pytest.mark.parametrize("policy", ["kernel", "auto"])
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_rows_sharded_under_jit(axis_type, policy):
+    """Tokens sharded over 8 CPU devices. Auto axes: the program spans devices, so the
+    product is jax's computation, which XLA partitions. Explicit axes (where jax's own
+    ragged_dot has no sharding rule): each shard's rows with its own group sizes in a
+    shard_map, the weight gradient summed over the shards. Values and gradients are the
+    unsharded ones."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     cpus = jax.devices("cpu")
@@ -244,9 +246,41 @@ def test_rows_sharded_under_jit(axis_type):
         pytest.skip("needs 8 CPU devices (jax_num_cpu_devices)")
     mesh = jax.make_mesh((8,), ("x",), axis_types=(getattr(AxisType, axis_type),), devices=cpus[:8])
     lhs, rhs = operands(256, 32, 48, 4, jnp.bfloat16, seed=20)
-    sizes = sizes_of("skewed", 256, 4, seed=21)
-    expected = jax.jit(jax_hopper.ragged_dot)(lhs, rhs, sizes)
+    sizes = sizes_of("short", 256, 4, seed=21)
+    ct = jax.random.normal(jax.random.key(22), (256, 48), jnp.float32).astype(jnp.bfloat16)
+
+    def value_and_grads(x, w, s, c):
+        with jax_hopper.dispatch(policy):
+            out, vjp = jax.vjp(lambda a, b: jax_hopper.ragged_dot(a, b, s), x, w)
+            return out, vjp(c)
+
+    expected = jax.jit(value_and_grads)(lhs, rhs, sizes, ct)
     with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
-        sharded = jax.device_put(lhs, NamedSharding(mesh, PartitionSpec("x", None)))
-        out = jax.jit(jax_hopper.ragged_dot)(sharded, rhs, sizes)
-    assert bool((out == expected).all())
+        rows = NamedSharding(mesh, PartitionSpec("x", None))
+        got = jax.jit(value_and_grads)(jax.device_put(lhs, rows), rhs, sizes, jax.device_put(ct, rows))
+    out, (d_lhs, d_rhs) = got
+    assert bool((out == expected[0]).all()) and bool((d_lhs == expected[1][0]).all())
+    # d rhs: per-shard f32 sums added in another order than the unsharded sum.
+    ref, mag = contract_reference(lhs, ct, sizes)
+    assert_within_rounding(d_rhs, ref, mag, 256)
+
+
+def test_contraction_rows_sharded_explicitly():
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:
+        pytest.skip("needs 8 CPU devices (jax_num_cpu_devices)")
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,), devices=cpus[:8])
+    x, _ = operands(256, 24, 8, 1, jnp.float16, seed=23)
+    y, _ = operands(256, 40, 8, 1, jnp.float16, seed=24)
+    sizes = sizes_of("skewed", 256, 6, seed=25)
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        rows = NamedSharding(mesh, PartitionSpec("x", None))
+        f = jax.jit(lambda a, b, s: jax_hopper.ragged_dot_general(a, b, s, CONTRACT))
+        xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
+        out = f(xs, ys, sizes)
+        with jax_hopper.dispatch("kernel"):  # each shard's sum on the kernel, for CUDA
+            assert _calls(f.trace(xs, ys, sizes).lower(lowering_platforms=("cuda",)).as_text()) == [TARGET]
+    ref, mag = contract_reference(x, y, sizes)
+    assert_within_rounding(out, ref, mag, 256)
