@@ -31,6 +31,7 @@ from jax_hopper.primitives.ragged_dot import (
     ROWS_DIMS_TRANSPOSED,
     ragged_contract,
     ragged_rows,
+    rows_reference,
 )
 
 F32 = jnp.dtype(jnp.float32)
@@ -183,3 +184,54 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     return ragged_dot_general(lhs, rhs, group_sizes, ROWS_DIMS, precision=precision,
                               preferred_element_type=preferred_element_type, group_offset=group_offset)
 
+
+
+# ---- expert parallelism (a shard_map recipe) ----------------------------------------------
+def ragged_dot_expert_parallel(lhs, rhs, group_sizes, axis_name, capacity=None):
+    """ragged_dot with the experts sharded over `axis_name`, inside a ``shard_map`` over it.
+
+    On each of the D devices: lhs [M, K] are this device's routed rows sorted by expert,
+    group_sizes [G] their count per expert (all G experts), rhs [G / D, K, N] this
+    device's experts (expert g lives on device g // (G / D)). Returns [M, N]: each row
+    times its expert's matrix, wherever that expert lives. The rows travel to their
+    experts' device and back with two ``all_to_all``s of `capacity` rows per pair of
+    devices (default M: nothing is dropped; with less, each device's rows past the
+    capacity for one destination give zeros, as capacity-limited routers drop them).
+    Each device multiplies what it received in one grouped product: every source's rows,
+    sorted by local expert, then a gap group (rows the source did not fill). Gradients
+    flow back through the same exchanges.
+    """
+    rows, k = lhs.shape
+    local_experts = rhs.shape[0]
+    devices = lax.axis_size(axis_name) if hasattr(lax, "axis_size") else lax.psum(1, axis_name)
+    capacity = rows if capacity is None else capacity
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    # Where this device's rows go: rows for destination j are contiguous (sorted by expert).
+    per_dest = sizes.reshape(devices, local_experts).sum(1)
+    dest_start = jnp.cumsum(per_dest) - per_dest
+    slot = jnp.arange(capacity)
+    take = dest_start[:, None] + slot[None, :]  # [D, C]: the rows sent to each destination
+    sent = slot[None, :] < jnp.minimum(per_dest, capacity)[:, None]
+    send = jnp.where(sent[..., None], lhs[jnp.clip(take, 0, rows - 1)], 0)
+    recv = lax.all_to_all(send, axis_name, 0, 0, tiled=False)  # [D, C, K]: from each source
+    # Each source's counts for this device's experts, cut at the capacity, then the gap.
+    me = lax.axis_index(axis_name)
+    theirs = lax.dynamic_slice_in_dim(lax.all_gather(sizes, axis_name), me * local_experts, local_experts, axis=1)
+    ends = jnp.minimum(jnp.cumsum(theirs, axis=1), capacity)
+    counts = jnp.diff(ends, axis=1, prepend=0)
+    recv_sizes = jnp.concatenate([counts, capacity - ends[:, -1:]], axis=1).reshape(-1)
+    period = local_experts + 1
+    problem = Problem(devices * period, devices * capacity, rhs.shape[2], k, np.dtype(lhs.dtype).itemsize,
+                      np.dtype(lhs.dtype).itemsize, False, False, op="ragged_rows")
+    flat = recv.reshape(-1, k)
+    if _dispatch.decide(problem).path == "kernel":
+        out = ragged_rows(flat, rhs, recv_sizes, period=period)
+    else:
+        out = rows_reference(flat, rhs, recv_sizes, transpose_rhs=False, out_dtype=lhs.dtype, period=period)
+    back = lax.all_to_all(out.reshape(recv.shape[0], capacity, -1), axis_name, 0, 0, tiled=False)  # [D, C, N]
+    # Each row's result from its destination's slot (zeros past the capacity).
+    row = jnp.arange(rows)
+    dest = jnp.clip(jnp.searchsorted(jnp.cumsum(per_dest), row, side="right"), 0, per_dest.shape[0] - 1)
+    pos = row - dest_start[dest]
+    kept = (pos < capacity) & (row < per_dest.sum())
+    return jnp.where(kept[:, None], back[dest, jnp.clip(pos, 0, capacity - 1)], 0).astype(lhs.dtype)

@@ -282,11 +282,14 @@ batching.primitive_batchers[ragged_contract_p] = _contract_batch_rule
 
 
 # ---- binding -------------------------------------------------------------------------------
-def ragged_rows(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None):
-    """lhs [M, K] by rhs [G, K, N] (transpose_rhs: [G, N, K]) per group of rows."""
+def ragged_rows(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, period=0):
+    """lhs [M, K] by rhs [G, K, N] (transpose_rhs: [G, N, K]) per group of rows. With a
+    `period` P: group g multiplies rhs[g % P] (rhs has P - 1 entries) and each group
+    g % P == P - 1 is a gap whose rows are zeros."""
     out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
     lhs, rhs, group_sizes = _compat.match_varying_axes(lhs, rhs, group_sizes)
-    return ragged_dot_p.bind(lhs, rhs, group_sizes, transpose_rhs=bool(transpose_rhs), out_dtype=out_dtype, period=0)
+    return ragged_dot_p.bind(lhs, rhs, group_sizes, transpose_rhs=bool(transpose_rhs), out_dtype=out_dtype,
+                             period=int(period))
 
 
 def ragged_contract(lhs, rhs, group_sizes, *, out_dtype=None):

@@ -284,3 +284,53 @@ def test_contraction_rows_sharded_explicitly():
             assert _calls(f.trace(xs, ys, sizes).lower(lowering_platforms=("cuda",)).as_text()) == [TARGET]
     ref, mag = contract_reference(x, y, sizes)
     assert_within_rounding(out, ref, mag, 256)
+
+
+@pytest.mark.parametrize("capacity", [None, 6])
+def test_expert_parallel_recipe(capacity):
+    """Experts sharded over 8 CPU devices in a shard_map (ragged_dot_expert_parallel):
+    each device's rows against every expert, wherever it lives, as one unsharded
+    ragged_dot per device would compute them; past the capacity, zeros; gradients too."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:
+        pytest.skip("needs 8 CPU devices (jax_num_cpu_devices)")
+    mesh = jax.make_mesh((8,), ("e",), axis_types=(AxisType.Auto,), devices=cpus[:8])
+    devices, rows, k, n, experts = 8, 24, 16, 32, 16
+    lhs, rhs = operands(devices * rows, k, n, experts, jnp.float16, seed=30)
+    rng = np.random.default_rng(31)
+    sizes = jnp.asarray(np.stack([rng.multinomial(rows - d, np.ones(experts) / experts) for d in range(devices)]),
+                        jnp.int32)  # device d routes rows - d of its rows; the rest are padding
+
+    def ep(x, w, s):
+        return jax_hopper.ragged.ragged_dot_expert_parallel(x, w, s[0], "e", capacity=capacity)
+
+    f = jax.jit(jax.shard_map(ep, mesh=mesh, in_specs=(P("e", None), P("e", None, None), P("e", None)),
+                              out_specs=P("e", None)))
+    out = f(lhs, rhs, sizes)
+    with jax_hopper.dispatch("kernel"):  # each device's grouped product on the kernel, for CUDA
+        assert _calls(f.trace(lhs, rhs, sizes).lower(lowering_platforms=("cuda",)).as_text()) == [TARGET]
+    for d in range(devices):
+        x, s = lhs[d * rows:(d + 1) * rows], sizes[d]
+        expected = jax.lax.ragged_dot(x, rhs, s)
+        if capacity is not None:  # rows past the capacity of each destination device are dropped
+            per_dest = np.asarray(s).reshape(devices, -1).sum(1)
+            start = np.cumsum(per_dest) - per_dest
+            keep = np.zeros(rows, bool)
+            for j in range(devices):
+                keep[start[j]:start[j] + min(per_dest[j], capacity)] = True
+            expected = jnp.where(keep[:, None], expected, 0)
+        assert bool((out[d * rows:(d + 1) * rows] == expected).all()), d
+    if capacity is None:
+        ct = jax.random.normal(jax.random.key(32), out.shape, jnp.float32).astype(jnp.float16)
+        _, vjp = jax.vjp(f, lhs, rhs, sizes)
+        d_lhs, d_rhs, _ = vjp(ct)
+        for d in range(devices):
+            s = sizes[d]
+            ref, mag = rows_reference(ct[d * rows:(d + 1) * rows], jnp.swapaxes(rhs, 1, 2), s)
+            assert_within_rounding(d_lhs[d * rows:(d + 1) * rows], ref, mag, n)
+        refs = [contract_reference(lhs[d * rows:(d + 1) * rows], ct[d * rows:(d + 1) * rows], sizes[d])
+                for d in range(devices)]
+        assert_within_rounding(d_rhs, sum(r for r, _ in refs), sum(m for _, m in refs), devices * rows)
