@@ -9,6 +9,7 @@ sustained time (back-to-back dispatches, mean over rounds), per tools/bench_prot
 the dense kernel on the same FLOPs gives the balanced cases' throughput reference.
 
     python3 tools/bench_ragged.py --json out.json [--cases mixtral_up,olmoe] [--products fwd,dlhs,drhs]
+    python3 tools/bench_ragged.py --moe 8192x4096x14336x8x2 --json moe.json   # the MoE layer's training step
 """
 
 from __future__ import annotations
@@ -149,8 +150,12 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=7)
     ap.add_argument("--no-alternatives", action="store_true", help="only ours and jax.lax")
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    ap.add_argument("--moe", default="", help="TOKENSxDxHxE[xTOPK]: the flax MoE layer's training step instead, "
+                    "on jax_hopper.ragged_dot (policy kernel) against the same layer on jax.lax.ragged_dot")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.moe:
+        return moe_step(args)
     protocol = dataclasses.replace(bp.Protocol(), kernel_samples=args.samples, sustained_seconds=0.2)
     dtype = jnp.dtype(args.dtype)
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
@@ -198,6 +203,38 @@ def main(argv=None):
             dump(args.json, gpu, args.commit, protocol, results, records)  # a killed run keeps its rows
     geo = dump(args.json, gpu, args.commit, protocol, results, records)
     print(f"geometric mean speedup (kernel time) over the best alternative: {geo}")
+
+
+def moe_step(args):
+    """The MoE layer's training step (value and gradients of all parameters of
+    mean(y^2)), the same layer and parameters on both grouped products."""
+    from jax_hopper.nn import MoE
+
+    protocol = dataclasses.replace(bp.Protocol(), kernel_samples=args.samples, sustained_seconds=0.2)
+    rows = []
+    for spec in args.moe.split(","):
+        dims = [int(v) for v in spec.split("x")]
+        tokens, d, h, e, top_k = dims + [2] * (5 - len(dims))
+        x = jax.random.normal(jax.random.key(0), (tokens, d), jnp.float32).astype(args.dtype)
+        layers = {"jax_hopper": MoE(e, h, top_k), "jax.lax": MoE(e, h, top_k, ragged_dot=jax.lax.ragged_dot)}
+        params = layers["jax_hopper"].init(jax.random.key(1), x)
+        row = {"case": f"moe {spec}", "tokens": tokens, "d": d, "h": h, "experts": e, "top_k": top_k,
+               "variants": {}}
+        for name, layer in layers.items():
+            def step(p, x, layer=layer):
+                return jax.value_and_grad(lambda q: jnp.square(layer.apply(q, x).astype(jnp.float32)).mean())(p)
+            row["variants"][name] = time_variant(name, ours(step) if name == "jax_hopper" else step,
+                                                 (params, x), protocol)
+        t = row["variants"]
+        if all("kernel_ms" in v for v in t.values()):
+            row["speedup_kernel"] = t["jax.lax"]["kernel_ms"] / t["jax_hopper"]["kernel_ms"]
+            row["speedup_sustained"] = t["jax.lax"]["sustained_ms"] / t["jax_hopper"]["sustained_ms"]
+        rows.append(row)
+        print(row, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"commit": args.commit, "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+                       "protocol": dataclasses.asdict(protocol), "moe": rows}, f, indent=1)
 
 
 def _records_of(row):
