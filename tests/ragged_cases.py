@@ -102,3 +102,16 @@ def assert_within_rounding(out, ref, mag, terms):
     excess = np.abs(o - ref) - bound
     assert (excess <= 0).all(), f"{(excess > 0).sum()} of {excess.size} elements off by more than rounding; " \
                                 f"worst excess {excess.max():.3e} at {np.unravel_index(excess.argmax(), excess.shape)}"
+
+
+def assert_gradients_within_rounding(d_lhs, d_rhs, lhs, rhs, ct, sizes, transpose=False):
+    """ragged_dot's gradients for cotangent ct: d lhs = ct against each group's rhs
+    transposed, d rhs = each group's lhs^T ct (rhs [G, N, K]: transposed), each within
+    rounding of the float64 reference."""
+    rhs_gkn = jnp.swapaxes(rhs, 1, 2) if transpose else rhs
+    ref, mag = rows_reference(ct, jnp.swapaxes(rhs_gkn, 1, 2), sizes)
+    assert_within_rounding(d_lhs, ref, mag, ct.shape[1])
+    ref, mag = contract_reference(lhs, ct, sizes)
+    if transpose:
+        ref, mag = ref.transpose(0, 2, 1), mag.transpose(0, 2, 1)
+    assert_within_rounding(d_rhs, ref, mag, lhs.shape[0])

@@ -116,6 +116,16 @@ Status find_instance(const GemmArgs& args, const KernelChoice& choice, const Ins
   return Status::Invalid("no compiled " + what + " (jax_hopper/_kernels.py lists the instances)");
 }
 
+// The validated call on its compiled instance, on a Hopper GPU.
+Status launch_instance(const GemmArgs& args, const KernelChoice& choice, cudaStream_t stream) {
+  Status st = check_device();
+  if (!st.ok()) return st;
+  const Instance* inst = nullptr;
+  st = find_instance(args, choice, &inst);
+  if (!st.ok()) return st;
+  return inst->launch(args, stream);
+}
+
 bool grouped_kind(KernelKind kind) { return kind == KernelKind::kGrouped || kind == KernelKind::kGroupedK; }
 
 // A grouped product's contract (gemm.h: GemmArgs::group_sizes): the kind's layouts, the
@@ -147,12 +157,7 @@ Status grouped_gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream
   st = check_operand("B", args.b, b_k_major ? args.n : args.k, args.ldb, b_k_major ? args.k : args.n, b_entries,
                      args.batch_stride_b);
   if (!st.ok()) return st;
-  st = check_device();
-  if (!st.ok()) return st;
-  const Instance* inst = nullptr;
-  st = find_instance(args, choice, &inst);
-  if (!st.ok()) return st;
-  return inst->launch(args, stream);
+  return launch_instance(args, choice, stream);
 }
 
 }  // namespace
@@ -267,13 +272,7 @@ Status gemm(const GemmArgs& args, const KernelChoice& choice, cudaStream_t strea
   st = check_operand("B", args.b, b_k_major ? args.n : args.k_of_b(), args.ldb, b_k_major ? args.k : args.n,
                      args.batch, args.batch_stride_b);
   if (!st.ok()) return st;
-  st = check_device();
-  if (!st.ok()) return st;
-
-  const Instance* inst = nullptr;
-  st = find_instance(args, choice, &inst);
-  if (!st.ok()) return st;
-  return inst->launch(args, stream);
+  return launch_instance(args, choice, stream);
 }
 
 Status workspace_bytes(const GemmArgs& args, const KernelChoice& choice, int sms, size_t* bytes) {

@@ -173,30 +173,33 @@ def _bilinear_jvp(primitive):
     return jvp
 
 
+def _rows_gradient(a, b, group_sizes, transpose_rhs, ct_dtype, dtype, period=0):
+    """A gradient that is a ragged-rows product of a and b, rounded once to `dtype`: on
+    the kernel for a 16-bit cotangent, else jax's arithmetic in f32."""
+    if ct_dtype in KERNEL_DTYPES:
+        out = ragged_dot_p.bind(a, b, group_sizes, transpose_rhs=transpose_rhs,
+                                out_dtype=dtype if dtype == ct_dtype else F32, period=period)
+    else:
+        out = rows_reference(a.astype(F32), b.astype(F32), group_sizes, transpose_rhs=transpose_rhs, out_dtype=F32,
+                             period=period)
+    return out.astype(dtype)
+
+
 def _rows_transpose(ct, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, period=0):
     """d lhs = ct against rhs read transposed; d rhs = the ragged contraction of lhs and ct
     (rhs [G, N, K]: of ct and lhs). An f32 cotangent takes jax's arithmetic."""
     if type(ct) is ad.Zero:
         return None, None, None
-    undefined_lhs, undefined_rhs = ad.is_undefined_primal(lhs), ad.is_undefined_primal(rhs)
-    on_kernel = ct.dtype in KERNEL_DTYPES
     d_lhs = d_rhs = None
-    if undefined_lhs:
-        dtype = lhs.aval.dtype
-        if on_kernel:  # rounded once, to the cotangent's type or through f32 to lhs's
-            d_lhs = ragged_dot_p.bind(ct, rhs, group_sizes, transpose_rhs=not transpose_rhs,
-                                      out_dtype=dtype if dtype == ct.dtype else F32, period=period)
-        else:
-            d_lhs = rows_reference(ct, rhs.astype(ct.dtype), group_sizes, transpose_rhs=not transpose_rhs,
-                                   out_dtype=F32, period=period)
-        d_lhs = d_lhs.astype(dtype)
-    if undefined_rhs:
+    if ad.is_undefined_primal(lhs):
+        d_lhs = _rows_gradient(ct, rhs, group_sizes, not transpose_rhs, ct.dtype, lhs.aval.dtype, period)
+    if ad.is_undefined_primal(rhs):
         dtype = rhs.aval.dtype
         first, second = (ct, lhs) if transpose_rhs else (lhs, ct)
         # Batched (a period): each batch entry's sum per expert, the gaps dropped, summed
         # over the entries in f32.
         exact = F32 if period or dtype != ct.dtype else dtype
-        if on_kernel:
+        if ct.dtype in KERNEL_DTYPES:
             d_rhs = ragged_contract_p.bind(first, second, group_sizes, out_dtype=exact)
         else:
             d_rhs = contract_reference(first.astype(F32), second.astype(F32), group_sizes, out_dtype=F32)
@@ -211,24 +214,11 @@ def _contract_transpose(ct, lhs, rhs, group_sizes, *, out_dtype):
     [G, N, K]), d rhs = lhs against ct."""
     if type(ct) is ad.Zero:
         return None, None, None
-    on_kernel = ct.dtype in KERNEL_DTYPES
     d_lhs = d_rhs = None
     if ad.is_undefined_primal(lhs):
-        dtype = lhs.aval.dtype
-        if on_kernel:
-            d_lhs = ragged_dot_p.bind(rhs, ct, group_sizes, transpose_rhs=True,
-                                      out_dtype=dtype if dtype == ct.dtype else F32, period=0)
-        else:
-            d_lhs = rows_reference(rhs.astype(F32), ct, group_sizes, transpose_rhs=True, out_dtype=F32)
-        d_lhs = d_lhs.astype(dtype)
+        d_lhs = _rows_gradient(rhs, ct, group_sizes, True, ct.dtype, lhs.aval.dtype)
     if ad.is_undefined_primal(rhs):
-        dtype = rhs.aval.dtype
-        if on_kernel:
-            d_rhs = ragged_dot_p.bind(lhs, ct, group_sizes, transpose_rhs=False,
-                                      out_dtype=dtype if dtype == ct.dtype else F32, period=0)
-        else:
-            d_rhs = rows_reference(lhs.astype(F32), ct, group_sizes, transpose_rhs=False, out_dtype=F32)
-        d_rhs = d_rhs.astype(dtype)
+        d_rhs = _rows_gradient(lhs, ct, group_sizes, False, ct.dtype, rhs.aval.dtype)
     return d_lhs, d_rhs, None
 
 
