@@ -232,6 +232,16 @@ def test_moe_layer_on_either_grouped_product():
     assert _calls(text).count(TARGET) == 7
 
 
+def _cpu_mesh(axis, axis_type):
+    """A mesh of 8 CPU devices along one axis (tests/conftest.py asks jax for them)."""
+    from jax.sharding import AxisType
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:
+        pytest.skip("needs 8 CPU devices (jax_num_cpu_devices)")
+    return jax.make_mesh((8,), (axis,), axis_types=(getattr(AxisType, axis_type),), devices=cpus[:8])
+
+
 @pytest.mark.parametrize("policy", ["kernel", "auto"])
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_rows_sharded_under_jit(axis_type, policy):
@@ -240,12 +250,9 @@ def test_rows_sharded_under_jit(axis_type, policy):
     ragged_dot has no sharding rule): each shard's rows with its own group sizes in a
     shard_map, the weight gradient summed over the shards. Values and gradients are the
     unsharded ones."""
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    cpus = jax.devices("cpu")
-    if len(cpus) < 8:
-        pytest.skip("needs 8 CPU devices (jax_num_cpu_devices)")
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(getattr(AxisType, axis_type),), devices=cpus[:8])
+    mesh = _cpu_mesh("x", axis_type)
     lhs, rhs = operands(256, 32, 48, 4, jnp.bfloat16, seed=20)
     sizes = sizes_of("short", 256, 4, seed=21)
     ct = jax.random.normal(jax.random.key(22), (256, 48), jnp.float32).astype(jnp.bfloat16)
@@ -267,12 +274,9 @@ def test_rows_sharded_under_jit(axis_type, policy):
 
 
 def test_contraction_rows_sharded_explicitly():
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    cpus = jax.devices("cpu")
-    if len(cpus) < 8:
-        pytest.skip("needs 8 CPU devices (jax_num_cpu_devices)")
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,), devices=cpus[:8])
+    mesh = _cpu_mesh("x", "Explicit")
     x, _ = operands(256, 24, 8, 1, jnp.float16, seed=23)
     y, _ = operands(256, 40, 8, 1, jnp.float16, seed=24)
     sizes = sizes_of("skewed", 256, 6, seed=25)
@@ -292,13 +296,9 @@ def test_expert_parallel_recipe(capacity):
     """Experts sharded over 8 CPU devices in a shard_map (ragged_dot_expert_parallel):
     each device's rows against every expert, wherever it lives, as one unsharded
     ragged_dot per device would compute them; past the capacity, zeros; gradients too."""
-    from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as P
 
-    cpus = jax.devices("cpu")
-    if len(cpus) < 8:
-        pytest.skip("needs 8 CPU devices (jax_num_cpu_devices)")
-    mesh = jax.make_mesh((8,), ("e",), axis_types=(AxisType.Auto,), devices=cpus[:8])
+    mesh = _cpu_mesh("e", "Auto")
     devices, rows, k, n, experts = 8, 24, 16, 32, 16
     lhs, rhs = operands(devices * rows, k, n, experts, jnp.float16, seed=30)
     rng = np.random.default_rng(31)
