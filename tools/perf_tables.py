@@ -48,6 +48,12 @@ AREAS = (
      "`jax_hopper.dot` rounds it to 16 bits for the backward products (docs/numerics.md), where `jnp.dot` "
      "multiplies it in TF32. With 16-bit logits, the product alone. Shapes are tokens x d_model x vocabulary "
      "for the steps, M x N x K for the product."),
+    ("grouped", "Grouped products (ragged_dot)",
+     "`jax_hopper.ragged_dot` and its two gradient products (shape `GxMxNxK`: G groups over M rows; `fwd` the "
+     "product, `dlhs` the cotangent against the weights read transposed, `drhs` the ragged contraction) against "
+     "`jax.lax.ragged_dot` (XLA's lowering) in the same process; \"forced\" is our grouped kernel under policy "
+     "`\"kernel\"`. `tools/bench_ragged.py` also times jax's Pallas kernels (Triton, Mosaic GPU); its records "
+     "name the fastest of them `best_alternative`."),
     ("tensor_parallel", "Tensor-parallel block (2 GPUs)",
      "`python3 -m jax_hopper.bench --shapes= --tp-mlp TxDxF --devices 2`: x @ W1 column-parallel, GELU, @ W2 "
      "row-parallel (XLA's all-reduce), ours against jnp in one jitted block, wall time of back-to-back calls."),
