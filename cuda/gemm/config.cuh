@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "gemm/gemm.h"
+#include "gemm/scheduler/group_table.cuh"
 #include "gemm/smem_layout.cuh"
 #include "hopper/warpgroup.cuh"
 
@@ -92,7 +93,9 @@ struct GemmConfig {
   // of between the two tiles while the tensor cores wait. The packed tile (64 registers)
   // sits next to the next tile's 128 f32 accumulators, which the consumers' setmaxnreg
   // share (232) holds. f32 output and the register-store fallback store at once.
-  static constexpr bool kDeferredStore = kDefaultOrStatic || kKind == KernelKind::kPersistentWait0;
+  // The grouped kinds defer theirs too, and copy it out of the staging buffer with row
+  // stores masked at the group's end (a TMA store would write whole boxes).
+  static constexpr bool kDeferredStore = kDefaultOrStatic || kKind == KernelKind::kPersistentWait0 || kGrouped;
   // wgmma groups left in flight after each K tile; the stage release lags by as many.
   // The backward form has 3 stages (its staged operand takes the fourth's shared
   // memory): with one group in flight the consumers would hold two of them, leaving the
@@ -197,8 +200,9 @@ struct GemmConfig {
   // What one CTA may take: the block limit, or its share of the SM's when several share one.
   static constexpr int64_t kSmemBudget =
       kCtasPerSm == 1 ? int64_t{kMaxSmemPerBlock} : int64_t{kSmemPerSm} / kCtasPerSm - int64_t{kSmemPerCtaReserved};
+  static constexpr int64_t kSchedulerBytes = kGrouped ? int64_t{sizeof(GroupTableStorage)} : 0;
   static constexpr int64_t kStoreBudget = kSmemBudget - int64_t{kSmemAlignment} - kSmemReserve -
-                                          kColumnSumBytes - int64_t{kStages} * kStageBytes;
+                                          kColumnSumBytes - kSchedulerBytes - int64_t{kStages} * kStageBytes;
   static constexpr int kStoreBuffersThatFit =
       kStoreBudget > 0 ? static_cast<int>(kStoreBudget / (kConsumerWarpgroups * kStoreBufferBytes)) : 0;
   static constexpr int kStoreBuffers = kStoreBuffersThatFit < kMaxStoreBuffers ? kStoreBuffersThatFit : kMaxStoreBuffers;
@@ -208,9 +212,10 @@ struct GemmConfig {
   static_assert(kAccumulators == (kSmallM ? 64 : 128), "64x256 / 128x128 accumulators: 128 per thread; 64x128: 64");
   static_assert(!kPingpong || (!kFusedEpilogue && !kStreamK && !kF16Accumulate && kConsumerWarpgroups == 2),
                 "ping-pong: two f32 warpgroups, plain epilogue, whole tiles");
-  static_assert(!kTmaStoreEpilogue || kStoreBuffers >= 1, "no room left for the epilogue's staging buffer");
+  static_assert(!(kTmaStoreEpilogue || kDeferredStore) || kStoreBuffers >= 1,
+                "no room left for the epilogue's staging buffer");
   static_assert(!kSavesDerivative || kStoreBuffers == 2, "the derivative kind stages C and D side by side");
-  static_assert(!kDeferredStore || (kTmaStoreEpilogue && kProducerWarpgroup && kMmaBlocksM == 1 &&
+  static_assert(!kDeferredStore || ((kTmaStoreEpilogue || kGrouped) && kProducerWarpgroup && kMmaBlocksM == 1 &&
                                     !kFusedEpilogue && !kStreamK && !kSplitK && !kF16Accumulate),
                 "the deferred store: one f32 row block per warpgroup, plain epilogue, the consumers' extra registers");
   static_assert(!kSplitK || (!kPersistent && !kFusedEpilogue && kConsumerWarpgroups == 1),

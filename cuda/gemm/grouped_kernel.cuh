@@ -2,15 +2,19 @@
 // producer and the consumers' mainloop are the persistent kernel's (2-CTA clusters
 // multicasting B, a 4-stage ring, one wgmma group in flight); the schedule is the
 // group table (scheduler/group_table.cuh), which every CTA builds from the device's
-// group sizes at its start; the epilogue is the register store (epilogue/
-// direct_store.cuh), masked at the group's last row, since a tile may cross into the
-// next group's rows (a TMA store writes whole boxes). Ragged rows then zero C's rows
+// group sizes at its start; the epilogue is the deferred store (epilogue/
+// deferred_store.cuh): a tile's 16-bit output waits in registers and leaves during the
+// next tile's first K tiles, staged in shared memory and copied out a row at a time,
+// masked at the group's last row, since a tile may cross into the next group's rows (a
+// TMA store writes whole boxes). f32 output goes straight from the registers
+// (epilogue/direct_store.cuh), masked the same way. Ragged rows then zero C's rows
 // past the groups (and, batched, each entry's gap group); the ragged contraction zeroes the rows past its group in the last K
 // tile of the group, in both operands, before the MMAs read them.
 #pragma once
 #include <cuda.h>
 
 #include "gemm/config.cuh"
+#include "gemm/epilogue/deferred_store.cuh"
 #include "gemm/epilogue/direct_store.cuh"
 #include "gemm/epilogue/output.cuh"
 #include "gemm/mainloop.cuh"
@@ -122,7 +126,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
   const Table table{smem.scheduler.groups, work};
   const int cta_rank = static_cast<int>(hopper::cluster_cta_rank());
   const int cluster = static_cast<int>(blockIdx.x) / Cfg::kClusterM;
-  const int tiles = table.num_tiles();
   const int warpgroup = hopper::warpgroup_index_uniform();
   if (warpgroup == Cfg::kConsumerWarpgroups) {  // the producer
     hopper::setmaxnreg_dec<Cfg::kProducerRegisters>();
@@ -130,7 +133,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
       hopper::tma_prefetch_descriptor(&tmap_a);
       hopper::tma_prefetch_descriptor(&tmap_b);
       auto st = producer_start_state<Cfg::kStages>();
-      for (int t = cluster; t < tiles; t += work.clusters) {
+      for (int t = cluster; t < table.num_tiles(); t += work.clusters) {
         const GroupTile tile = table.tile(t, cta_rank);
         // Ragged rows: A's rows of the group against B's entry g; the contraction: the
         // group's rows of both (A and B stored [rows, ...], 2-D).
@@ -142,37 +145,60 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     __syncwarp();  // the lane-0 code above diverged; the cluster barrier below is .aligned
   } else {  // a consumer warpgroup: 64 rows of each tile
     hopper::setmaxnreg_inc<Cfg::kConsumerRegisters>();
+    using Deferred = DeferredStore<Cfg>;
     auto read = consumer_start_state<Cfg::kStages>();
-    for (int t = cluster; t < tiles; t += work.clusters) {
+    auto& buffers = smem.epilogue.buffers[warpgroup];
+    // The previous tile's 16-bit output: stored during this tile's first K tiles, or
+    // flushed before a path that leaves the tile without MMAs.
+    typename Deferred::Pending pending;
+    pending.valid = false;
+    const auto flush = [&](int first) { Deferred::flush(pending, buffers, nullptr, out, warpgroup, first); };
+    // The tile count is read from the table each time round rather than held in a register.
+    for (int t = cluster; t < table.num_tiles(); t += work.clusters) {
       const GroupTile tile = table.tile(t, cta_rank);
       const int row0 = tile.row0 + warpgroup * Cfg::kMmaM;
+      const int batch = Cfg::kRaggedK ? tile.group : 0;
       // Ragged rows: rows all past the group (the cluster's second tile of a group with
       // an odd count, or the second warpgroup's half) compute nothing. The contraction
       // keeps both warpgroups in step for RaggedTail's barrier; its stores mask at C's rows.
       if (!Cfg::kRaggedK && row0 >= tile.row_end) {
+        flush(0);
         Main::pass(pipe, tile.k_tiles, read, Cfg::kFirstEpilogueBarrier + warpgroup);
         continue;
       }
       // An empty group's sum (the contraction), or a gap's rows (batched ragged rows):
       // zeros, without the accumulators.
       if (tile.k_tiles == 0) {
-        store_zeros<Cfg>(out, Cfg::kRaggedK ? tile.group : 0, row0, tile.n0, tile.row_end);
+        flush(0);
+        store_zeros<Cfg>(out, batch, row0, tile.n0, tile.row_end);
         continue;
       }
       typename Main::Acc acc;
+      const typename Main::Nothing nothing;
+      const auto during = [&](int kt) { Deferred::store_pending_during(pending, buffers, nullptr, out, warpgroup, kt); };
       if constexpr (Cfg::kRaggedK) {
-        const typename Main::Nothing nothing;
         const int last = tile.k_tiles - 1, last_rows = tile.last_k_rows;
-        Main::mma(pipe, smem, warpgroup, tile.k_tiles, acc, read, nothing, nothing, nothing,
+        Main::mma(pipe, smem, warpgroup, tile.k_tiles, acc, read, nothing, nothing, during,
                   [&smem, last, last_rows, warpgroup](int kt, int stage) {
                     if (kt == last && last_rows < Cfg::kBlockK)
                       RaggedTail<Cfg>::zero(smem.stages[stage], last_rows, warpgroup);
                   });
       } else {
-        Main::mma(pipe, smem, warpgroup, tile.k_tiles, acc, read);
+        Main::mma(pipe, smem, warpgroup, tile.k_tiles, acc, read, nothing, nothing, during);
       }
-      DirectStore<Cfg>::store(acc, out, Cfg::kRaggedK ? tile.group : 0, row0, tile.n0, tile.row_end);
+      flush(tile.k_tiles);  // the sub-tiles this tile's K tiles did not cover
+      // The tile's coordinates again: looked up after the mainloop rather than held across
+      // it, where the accumulators and the pending tile fill the consumers' registers.
+      const GroupTile done = table.tile(t, cta_rank);
+      const int done_row0 = done.row0 + warpgroup * Cfg::kMmaM;
+      const int done_batch = Cfg::kRaggedK ? done.group : 0;
+      if (out.f32) {
+        DirectStore<Cfg>::store(acc, out, done_batch, done_row0, done.n0, done.row_end);
+      } else {
+        Deferred::defer(acc, pending, done_batch, done_row0, done.n0, done.row_end);
+      }
     }
+    flush(0);
     if constexpr (!Cfg::kRaggedK) {
       constexpr int kConsumerThreads = Cfg::kConsumerWarpgroups * hopper::kWarpgroupSize;
       zero_rows_past(out, table.rows_covered(), static_cast<int>(blockIdx.x) * kConsumerThreads + threadIdx.x,

@@ -13,8 +13,9 @@
 
 namespace jax_hopper {
 
-// Staging buffers of the TMA-store epilogue (none for the register epilogue).
-template <class Cfg, bool = Cfg::kTmaStoreEpilogue>
+// Staging buffers of the TMA-store epilogue and the deferred store (none for the
+// register epilogue).
+template <class Cfg, bool = Cfg::kTmaStoreEpilogue || Cfg::kDeferredStore>
 struct EpilogueStorage {
   alignas(kSmemAlignment) uint8_t buffers[Cfg::kConsumerWarpgroups][Cfg::kStoreBuffers][Cfg::kStoreBufferBytes];
 };

@@ -32,26 +32,31 @@ struct DeferredStore {
   struct Pending {
     uint32_t words[Cfg::kBlockAccumulatorRegisters / 2];  // words[i]: accumulator elements 2i, 2i + 1
     int batch, row0, col0;
+    int row_end;  // the grouped kinds' row limit (the group's end); the others mask at C's M
     bool valid;
   };
 
-  __device__ static void defer(const typename Direct::Acc& acc, Pending& pending, int batch, int row0, int col0) {
+  __device__ static void defer(const typename Direct::Acc& acc, Pending& pending, int batch, int row0, int col0,
+                               int row_end = 0) {
     using Frag = typename Direct::Frag;
 #pragma unroll
     for (int i = 0; i < Cfg::kBlockAccumulatorRegisters / 2; ++i)
       pending.words[i] = Frag::template packed<typename Cfg::Element>(acc, 2 * i);
-    pending.batch = batch, pending.row0 = row0, pending.col0 = col0, pending.valid = true;
+    pending.batch = batch, pending.row0 = row0, pending.col0 = col0, pending.row_end = row_end;
+    pending.valid = true;
   }
 
   // C rows TMA cannot address (a row of ldc 16-bit elements that is not a multiple of 16
-  // bytes, e.g. an odd N, or a misaligned C): the staged sub-tile leaves through the
+  // bytes, e.g. an odd N, or a misaligned C), and the grouped kinds' tiles, which a group's
+  // end may cut short (rows from `row_end` on are masked): the staged sub-tile leaves through the
   // warpgroup's own stores instead of a TMA store, still under the next tile's MMAs. Each
   // warp copies 16 of its 64 rows, one row per instruction: lane l takes columns 2l, 2l + 1
   // as one 4-byte store where the pair is 4-byte aligned in C (every other row of an odd
   // ldc), else as two 2-byte ones. The registers-to-C stores this replaces wrote 8 bytes
   // to each of 8 rows per instruction while the tensor cores waited: 0.11 ms of a 0.47 ms
   // kernel at 4096x8191x4096.
-  __device__ static void copy_out(const uint8_t* buf, const OutputParams& out, int batch, int row0, int col) {
+  __device__ static void copy_out(const uint8_t* buf, const OutputParams& out, int batch, int row0, int col,
+                                  int row_end) {
     constexpr int kRowsPerWarp = Cfg::kStoreRows / hopper::kWarpsPerWarpgroup;
     constexpr int kElementBytes = sizeof(typename Cfg::Element);
     constexpr int kPairBytes = 2 * kElementBytes;
@@ -62,7 +67,7 @@ struct DeferredStore {
     const int lane = t % hopper::kWarpSize;
     const int c = col + 2 * lane;
     const bool first_in = c < out.n, second_in = c + 1 < out.n;
-    const int rows = min(kRowsPerWarp, out.m - row0 - first_row);  // this warp's rows inside M
+    const int rows = min(kRowsPerWarp, row_end - row0 - first_row);  // this warp's rows to store
     const uint32_t src = hopper::smem_addr(buf);
     const int64_t row_bytes = out.ldc * kElementBytes;
     char* dst = static_cast<char*>(out.c) +
@@ -80,22 +85,24 @@ struct DeferredStore {
   }
 
   // Sub-tile s of the pending tile: staged, then one TMA store, or (C rows TMA cannot
-  // address) copy_out. There each warp stages (stmatrix) and copies only its own 16 rows,
-  // so a __syncwarp orders the two, and none is needed before the staging: the warp read
-  // this buffer kStoreBuffers sub-tiles ago, before the __syncwarp after the last staging.
-  // (A warpgroup barrier here made each warp wait for the slowest of four.)
+  // address, the grouped kinds) copy_out. There each warp stages (stmatrix) and copies
+  // only its own 16 rows, so a __syncwarp orders the two; before the staging, one is
+  // needed only where the buffer is the one the warp just copied out (a single buffer,
+  // the grouped kinds': their group table takes the second's shared memory). With two,
+  // the warp read this buffer two sub-tiles ago, before the __syncwarp after the last
+  // staging. (A warpgroup barrier here made each warp wait for the slowest of four.)
   __device__ static void store_pending_subtile(const Pending& pending, Buffers& buffers, const CUtensorMap* tmap_c,
                                                const OutputParams& out, int warpgroup, int s) {
-    static_assert(Cfg::kStoreBuffers >= 2, "copy_out reuses a buffer two sub-tiles later");
     const auto stage = [&](uint8_t* buf) { Tma::stage_words([&](int i) { return pending.words[i / 2]; }, buf, s); };
     const int col = pending.col0 + s * kPendingCols;
-    if (out.tma_store) {
+    if (Cfg::kTmaStoreEpilogue && out.tma_store) {
       Tma::store_subtile(stage, buffers, tmap_c, warpgroup, s, pending.batch, pending.row0, col);
     } else {
       uint8_t* buf = buffers[s % Cfg::kStoreBuffers];
+      if constexpr (Cfg::kStoreBuffers == 1) __syncwarp();
       stage(buf);
       __syncwarp();
-      copy_out(buf, out, pending.batch, pending.row0, col);
+      copy_out(buf, out, pending.batch, pending.row0, col, Cfg::kGrouped ? pending.row_end : out.m);
     }
   }
 
