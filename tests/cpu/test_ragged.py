@@ -126,7 +126,14 @@ def test_dispatch_rules():
     with jax_hopper.dispatch("xla"):
         assert jax_hopper.ragged_dot_path(lhs, rhs, sizes).path == "xla"
     with jax_hopper.dispatch("auto"):
-        assert jax_hopper.ragged_dot_path(lhs, rhs, sizes).rule.startswith("ragged")
+        # Two groups or more: ours (XLA's lowering does every group's product over all rows).
+        path = jax_hopper.ragged_dot_path(lhs, rhs, sizes)
+        assert (path.path, path.rule, path.kind) == ("kernel", "ragged-groups", "grouped")
+        contract = jax_hopper.ragged_dot_path(lhs, jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16), sizes, CONTRACT)
+        assert (contract.path, contract.rule, contract.kind) == ("kernel", "ragged-groups", "grouped_k")
+        one = jax_hopper.ragged_dot_path(lhs, jax.ShapeDtypeStruct((1, 2048, 4096), jnp.bfloat16),
+                                         jax.ShapeDtypeStruct((1,), jnp.int32))
+        assert (one.path, one.rule) == ("xla", "ragged-one-group")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
