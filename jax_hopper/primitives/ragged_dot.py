@@ -17,18 +17,24 @@ ragged_dot with respect to lhs is a ragged_dot against rhs read transposed (no c
 with respect to rhs a ragged_contract, and the reverse; so first and second derivatives
 run on the kernel. A cotangent in f32 takes jax's arithmetic (the kernel multiplies
 16-bit operands). vmap over lhs alone is one launch (each entry's groups then a gap
-group, rhs shared: `period`); other vmaps, and programs that span several devices, take
-jax's computation, which jax batches and XLA partitions.
+group, rhs shared: `period`); other vmaps take jax's computation. A program spanning
+devices on Auto mesh axes partitions both by their rows (each device's rows with the
+sizes clipped to them); on Explicit axes, in a partly manual shard_map and for export,
+they take jax's computation, which XLA partitions.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding
 
 from jax_hopper import _compat, _ffi, _kernels
 from jax_hopper import _partitioning as part
@@ -147,13 +153,134 @@ def _contract_cuda(lhs, rhs, group_sizes, *, out_dtype):
     return _call(_kernels.GROUPED_K_KIND, (groups, a, b), out_dtype, lhs, rhs, group_sizes, False)
 
 
-for _p, _abstract, _reference, _cuda in ((ragged_dot_p, _rows_abstract_eval, rows_reference, _rows_cuda),
-                                         (ragged_contract_p, _contract_abstract_eval, contract_reference,
-                                          _contract_cuda)):
+# ---- partitioning (Auto mesh axes) ------------------------------------------------------------
+# A program spanning devices on Auto axes partitions both forms by their rows: each device
+# takes its rows of the operands with the global group sizes and its slice of the row
+# indices (an extra operand, sharded like the rows), whose first entry places its rows
+# among the groups; it multiplies its rows with the sizes clipped to them. Ragged rows:
+# the result's rows are the device's; N may stay sharded as rhs has it. The contraction:
+# each device's partial sums per group (f32) are added across the row axes, then rounded
+# once; A and B may stay sharded. K, the groups of rhs and the sizes are replicated.
+def _local_sizes(group_sizes, rows):
+    """This shard's group sizes: the groups' rows clipped to the shard's, whose row
+    indices are `rows` (contiguous, from the shard's first row)."""
+    m = rows.shape[0]
+    start = rows[0] if m else 0
+    ends = jnp.clip(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)) - start, 0, m)
+    return jnp.diff(ends, prepend=0)
+
+
+def _row_axes(sharding, rows):
+    """The axes sharding an operand's rows, where they split them evenly; else none."""
+    axes = part.spec_of(sharding, len(getattr(sharding, "spec", ())) or 1)[0]
+    return axes if axes and part.divides(sharding, axes, rows) else ()
+
+
+def _kept(sharding, ndim, dim, size, taken):
+    """The axes sharding dim `dim` of an operand, kept where they split it evenly and
+    shard nothing else the plan keeps."""
+    axes = part.spec_of(sharding, ndim)[dim]
+    return axes if axes and not set(axes) & set(taken) and part.divides(sharding, axes, size) else ()
+
+
+def _rows_plan(mesh, arg_shapes, transpose_rhs):
+    lhs, rhs = arg_shapes[0], arg_shapes[1]
+    rows = _row_axes(part.on_mesh(lhs.sharding, mesh), lhs.shape[0])
+    n_dim = 1 if transpose_rhs else 2
+    n = _kept(part.on_mesh(rhs.sharding, mesh), 3, n_dim, rhs.shape[n_dim], rows)
+    named = lambda *dims: NamedSharding(mesh, part.pspec(dims))  # noqa: E731
+    rhs_dims = [(), (), ()]
+    rhs_dims[n_dim] = n
+    args = (named(rows, ()), named(*rhs_dims), named(()), named(rows))
+    return args, named(rows, n)
+
+
+def _contract_plan(mesh, arg_shapes):
+    lhs, rhs = arg_shapes[0], arg_shapes[1]
+    rows = _row_axes(part.on_mesh(lhs.sharding, mesh), lhs.shape[0])
+    a = _kept(part.on_mesh(lhs.sharding, mesh), 2, 1, lhs.shape[1], rows)
+    b = _kept(part.on_mesh(rhs.sharding, mesh), 2, 1, rhs.shape[1], rows + a)
+    named = lambda *dims: NamedSharding(mesh, part.pspec(dims))  # noqa: E731
+    return rows, (named(rows, a), named(rows, b), named(()), named(rows)), named((), a, b)
+
+
+def _rows_partitioned(local_impl):
+    @functools.partial(custom_partitioning, static_argnums=(4, 5, 6))
+    def call(lhs, rhs, group_sizes, rows, transpose_rhs, out_dtype, period):
+        del rows  # unpartitioned, the sizes are the rows'
+        return local_impl(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype, period=period)
+
+    def per_device(transpose_rhs, out_dtype, period):
+        def body(lhs, rhs, group_sizes, rows):
+            return local_impl(lhs, rhs, _local_sizes(group_sizes, rows), transpose_rhs=transpose_rhs,
+                              out_dtype=out_dtype, period=period)
+        return body
+
+    def infer(transpose_rhs, out_dtype, period, mesh, arg_shapes, result_shape):
+        return _rows_plan(mesh, arg_shapes, transpose_rhs)[1]
+
+    def partition(transpose_rhs, out_dtype, period, mesh, arg_shapes, result_shape):
+        args, out = _rows_plan(mesh, arg_shapes, transpose_rhs)
+        return mesh, part.without_context_mesh(per_device(transpose_rhs, out_dtype, period)), out, args
+
+    def rule(transpose_rhs, out_dtype, period, mesh, value_types, result_types):
+        return "m k, e n k, g, m -> m n" if transpose_rhs else "m k, e k n, g, m -> m n"
+
+    call.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+
+    def impl(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, period=0):
+        return call(lhs, rhs, group_sizes, lax.iota(jnp.int32, lhs.shape[0]), transpose_rhs, out_dtype, period)
+
+    return impl
+
+
+def _contract_partitioned(local_impl):
+    @functools.partial(custom_partitioning, static_argnums=(4,))
+    def call(lhs, rhs, group_sizes, rows, out_dtype):
+        del rows
+        return local_impl(lhs, rhs, group_sizes, out_dtype=out_dtype)
+
+    def per_device(row_axes, out_dtype):
+        def body(lhs, rhs, group_sizes, rows):
+            local = _local_sizes(group_sizes, rows)
+            if not row_axes:
+                return local_impl(lhs, rhs, local, out_dtype=out_dtype)
+            return lax.psum(local_impl(lhs, rhs, local, out_dtype=F32), row_axes).astype(out_dtype)
+        return body
+
+    def infer(out_dtype, mesh, arg_shapes, result_shape):
+        return _contract_plan(mesh, arg_shapes)[2]
+
+    def partition(out_dtype, mesh, arg_shapes, result_shape):
+        rows, args, out = _contract_plan(mesh, arg_shapes)
+        return mesh, part.without_context_mesh(per_device(rows, out_dtype)), out, args
+
+    def rule(out_dtype, mesh, value_types, result_types):
+        return "r a, r b, g, r -> g a b", {"reduction_factors": ("r",)}
+
+    call.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+
+    def impl(lhs, rhs, group_sizes, *, out_dtype):
+        return call(lhs, rhs, group_sizes, lax.iota(jnp.int32, lhs.shape[0]), out_dtype)
+
+    return impl
+
+
+def _lowering(local_impl, reference, partitioned):
+    """The local form on one device, the partitioned one on Auto axes, and jax's
+    computation (which XLA partitions) on Explicit axes, in a partly manual shard_map and
+    for export."""
+    return part.lowering(local_impl, partitioned(local_impl), reference, reference)
+
+
+for _p, _abstract, _reference, _cuda, _partitioned in (
+        (ragged_dot_p, _rows_abstract_eval, rows_reference, _rows_cuda, _rows_partitioned),
+        (ragged_contract_p, _contract_abstract_eval, contract_reference, _contract_cuda, _contract_partitioned)):
     _p.def_impl(_compat.eager_impl(_p))
     _p.def_abstract_eval(_abstract)
-    mlir.register_lowering(_p, mlir.lower_fun(_reference, multiple_results=False))
-    mlir.register_lowering(_p, part.local_only_lowering(_cuda, _reference), platform="cuda")
+    mlir.register_lowering(_p, _lowering(_reference, _reference, _partitioned))
+    mlir.register_lowering(_p, _lowering(_cuda, _reference, _partitioned), platform="cuda")
+    _compat.require_devices_at_lowering(_p)
 
 
 # ---- autodiff --------------------------------------------------------------------------------

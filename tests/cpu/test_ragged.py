@@ -252,11 +252,11 @@ def _cpu_mesh(axis, axis_type):
 @pytest.mark.parametrize("policy", ["kernel", "auto"])
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_rows_sharded_under_jit(axis_type, policy):
-    """Tokens sharded over 8 CPU devices. Auto axes: the program spans devices, so the
-    product is jax's computation, which XLA partitions. Explicit axes (where jax's own
-    ragged_dot has no sharding rule): each shard's rows with its own group sizes in a
-    shard_map, the weight gradient summed over the shards. Values and gradients are the
-    unsharded ones."""
+    """Tokens sharded over 8 CPU devices (32 rows each; groups straddle the shards).
+    Auto axes: custom_partitioning splits each product by rows, every device with the
+    group sizes clipped to its rows. Explicit axes (where jax's own ragged_dot has no
+    sharding rule): the same in a shard_map. The weight gradient is summed over the
+    shards. Values and gradients are the unsharded ones, the rows stay sharded."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh = _cpu_mesh("x", axis_type)
@@ -273,11 +273,71 @@ def test_rows_sharded_under_jit(axis_type, policy):
     with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
         rows = NamedSharding(mesh, PartitionSpec("x", None))
         got = jax.jit(value_and_grads)(jax.device_put(lhs, rows), rhs, sizes, jax.device_put(ct, rows))
+        if axis_type == "Auto":  # all three products partitioned, none gathered
+            text = cuda_text(value_and_grads, jax.device_put(lhs, rows), rhs, sizes, jax.device_put(ct, rows))
+            assert text.count("@CustomSPMDPartitioning") == 3, text
     out, (d_lhs, d_rhs) = got
+    assert out.sharding.spec[0] == "x" and d_lhs.sharding.spec[0] == "x"
     assert bool((out == expected[0]).all()) and bool((d_lhs == expected[1][0]).all())
     # d rhs: per-shard f32 sums added in another order than the unsharded sum.
     ref, mag = contract_reference(lhs, ct, sizes)
     assert_within_rounding(d_rhs, ref, mag, 256)
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["GKN", "GNK"])
+def test_each_device_multiplies_its_rows_on_the_kernel(transpose):
+    """The partition callback's per-device body on Auto axes: lowered for CUDA on a
+    device's 32-row shard, it is the grouped kernel's call with the sizes clipped to the
+    shard's rows (computed from its slice of the row indices)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jax_hopper.primitives import ragged_dot as rd
+
+    mesh = _cpu_mesh("x", "Auto")
+    bf16 = jnp.dtype(jnp.bfloat16)
+    w_shape = (4, 48, 32) if transpose else (4, 32, 48)
+    arg_shapes = (jax.ShapeDtypeStruct((256, 32), bf16, sharding=NamedSharding(mesh, PartitionSpec("x", None))),
+                  jax.ShapeDtypeStruct(w_shape, bf16, sharding=NamedSharding(mesh, PartitionSpec())),
+                  jax.ShapeDtypeStruct((4,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec())),
+                  jax.ShapeDtypeStruct((256,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec("x"))))
+    args, out = rd._rows_plan(mesh, arg_shapes, transpose)
+    assert out.spec == PartitionSpec("x", None) and args[3].spec == PartitionSpec("x")
+    shards = (jax.ShapeDtypeStruct((32, 32), bf16), jax.ShapeDtypeStruct(w_shape, bf16),
+              jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((32,), jnp.int32))
+
+    def body(x, w, s, rows):
+        return rd._rows_cuda(x, w, rd._local_sizes(s, rows), transpose_rhs=transpose, out_dtype=bf16)
+
+    assert _calls(cuda_text(body, *shards)) == [TARGET]
+    # The clipping itself: a shard from row 64 of groups [50, 0, 100, 70] holds 36 rows of
+    # group 2 (rows 50-149), none of 0, 1 or 3 past its 32 rows.
+    local = rd._local_sizes(jnp.array([50, 0, 100, 70]), jnp.arange(64, 96, dtype=jnp.int32))
+    assert local.tolist() == [0, 0, 32, 0]
+    local = rd._local_sizes(jnp.array([50, 0, 100, 70]), jnp.arange(128, 160, dtype=jnp.int32))
+    assert local.tolist() == [0, 0, 22, 10]
+    local = rd._local_sizes(jnp.array([50, 0, 100, 70]), jnp.arange(224, 256, dtype=jnp.int32))
+    assert local.tolist() == [0, 0, 0, 0]  # rows past the sizes' sum: zeros
+
+
+def test_contraction_rows_sharded_on_auto_axes():
+    """The weight gradient's form with its rows sharded on Auto axes: each device's f32
+    sums per group over its rows, added across the devices, rounded once."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = _cpu_mesh("x", "Auto")
+    x, _ = operands(256, 24, 8, 1, jnp.bfloat16, seed=26)
+    y, _ = operands(256, 40, 8, 1, jnp.bfloat16, seed=27)
+    sizes = sizes_of("skewed", 256, 6, seed=28)
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        rows = NamedSharding(mesh, PartitionSpec("x", None))
+        xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
+        with jax_hopper.dispatch("kernel"):
+            f = jax.jit(lambda a, b, s: jax_hopper.ragged_dot_general(a, b, s, CONTRACT))
+            out = f(xs, ys, sizes)
+            assert f.trace(xs, ys, sizes).lower(lowering_platforms=("cuda",)).as_text().count(
+                "@CustomSPMDPartitioning") == 1
+    ref, mag = contract_reference(x, y, sizes)
+    assert_within_rounding(out, ref, mag, 256)
 
 
 def test_contraction_rows_sharded_explicitly():
