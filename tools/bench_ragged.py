@@ -130,6 +130,12 @@ def variants_for(product: str, sizes):
 
 
 TRITON_OPTION = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
+SUSTAINED_ROUNDS = 2  # each variant's, one after the other, no settle round
+
+
+def _protocol(samples):
+    return dataclasses.replace(bp.Protocol(), kernel_samples=samples, sustained_seconds=0.2,
+                               sustained_rounds=SUSTAINED_ROUNDS, sustained_settle_rounds=0)
 
 
 def time_variant(name, fn, args, protocol):
@@ -140,7 +146,7 @@ def time_variant(name, fn, args, protocol):
         v = bp.JaxVariant(name, fn)
         v.kernel_ms(*args)  # compile
         kernel = statistics.median(v.kernel_ms(*args) for _ in range(protocol.kernel_samples))
-        sustained = statistics.mean(bp.sustained_ms(v, [args], kernel, protocol) for _ in range(2))
+        sustained = statistics.mean(bp.sustained_ms(v, [args], kernel, protocol) for _ in range(SUSTAINED_ROUNDS))
         return {"kernel_ms": kernel, "sustained_ms": sustained}
     except Exception as e:  # a variant that cannot take the shape (block sizes, shared memory)
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -171,7 +177,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.moe:
         return moe_step(args)
-    protocol = dataclasses.replace(bp.Protocol(), kernel_samples=args.samples, sustained_seconds=0.2)
+    protocol = _protocol(args.samples)
     dtype = jnp.dtype(args.dtype)
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
     results, records = [], []
@@ -221,7 +227,7 @@ def moe_step(args):
     mean(y^2)), the same layer and parameters on both grouped products."""
     from jax_hopper.nn import MoE
 
-    protocol = dataclasses.replace(bp.Protocol(), kernel_samples=args.samples, sustained_seconds=0.2)
+    protocol = _protocol(args.samples)
     rows = []
     for spec in args.moe.split(","):
         dims = [int(v) for v in spec.split("x")]

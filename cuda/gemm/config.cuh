@@ -73,7 +73,8 @@ struct GemmConfig {
   // the tiles of every group in a grid stride. Ragged rows (kGrouped: a group's rows of
   // A times its own B) or a ragged contraction (kGroupedK: per group, the transposed
   // rows of A times the same rows of B, a batch entry of C each). Tiles cross group
-  // boundaries, so C goes out from registers, masked at the group's last row.
+  // boundaries, so C leaves through the warps' own stores (the deferred store's copy),
+  // masked at the group's last row.
   static constexpr bool kGrouped = kKind == KernelKind::kGrouped || kKind == KernelKind::kGroupedK;
   static constexpr bool kRaggedK = kKind == KernelKind::kGroupedK;
   static constexpr bool kDefaultOrStatic = kKind == KernelKind::kPersistent || kKind == KernelKind::kPersistentStatic;
@@ -222,7 +223,7 @@ struct GemmConfig {
                 "split K: one CTA per piece, one consumer warpgroup, plain epilogue");
   static_assert(!kGrouped || (kPersistent && !kTmaStoreEpilogue && !kDynamicTiles && kClusterM == 2 &&
                               kConsumerWarpgroups == 2 && kMmaBlocksM == 1),
-                "grouped: 2-CTA clusters in a grid stride, two 64-row warpgroups, register stores");
+                "grouped: 2-CTA clusters in a grid stride, two 64-row warpgroups, no TMA store");
   static_assert(!kDynamicTiles || (kPersistent && !kStreamK && !kPingpong && kClusterM == 2),
                 "the dynamic order hands whole tiles to 2-CTA clusters");
   static_assert(!kStagedOperand || kStoreBuffers == kOperandSubtiles, "a store buffer per sub-tile of the operand");

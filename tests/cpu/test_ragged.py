@@ -126,14 +126,22 @@ def test_dispatch_rules():
     with jax_hopper.dispatch("xla"):
         assert jax_hopper.ragged_dot_path(lhs, rhs, sizes).path == "xla"
     with jax_hopper.dispatch("auto"):
-        # Two groups or more: ours (XLA's lowering does every group's product over all rows).
-        path = jax_hopper.ragged_dot_path(lhs, rhs, sizes)
+        # The measured range (8 to 256 groups over >= 16384 rows, other dims >= 1024,
+        # 16-bit results): ours; 1.11-3.17x the fastest JAX alternative there.
+        big_lhs = jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16)
+        big_rhs = jax.ShapeDtypeStruct((8, 4096, 14336), jnp.bfloat16)
+        path = jax_hopper.ragged_dot_path(big_lhs, big_rhs, sizes)
         assert (path.path, path.rule, path.kind) == ("kernel", "ragged-groups", "grouped")
-        contract = jax_hopper.ragged_dot_path(lhs, jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16), sizes, CONTRACT)
+        contract = jax_hopper.ragged_dot_path(big_lhs, jax.ShapeDtypeStruct((16384, 14336), jnp.bfloat16), sizes,
+                                              CONTRACT)
         assert (contract.path, contract.rule, contract.kind) == ("kernel", "ragged-groups", "grouped_k")
-        one = jax_hopper.ragged_dot_path(lhs, jax.ShapeDtypeStruct((1, 2048, 4096), jnp.bfloat16),
-                                         jax.ShapeDtypeStruct((1,), jnp.int32))
-        assert (one.path, one.rule) == ("xla", "ragged-one-group")
+        # Outside it (fewer rows, fewer groups, f32 results): XLA's lowering.
+        for args, kwargs in [((lhs, rhs, sizes), {}),
+                             ((big_lhs, jax.ShapeDtypeStruct((4, 4096, 14336), jnp.bfloat16),
+                               jax.ShapeDtypeStruct((4,), jnp.int32)), {}),
+                             ((big_lhs, big_rhs, sizes), {"preferred_element_type": jnp.float32})]:
+            path = jax_hopper.ragged_dot_path(*args, **kwargs)
+            assert (path.path, path.rule) == ("xla", "ragged-not-measured"), (args, kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -253,10 +261,11 @@ def _cpu_mesh(axis, axis_type):
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_rows_sharded_under_jit(axis_type, policy):
     """Tokens sharded over 8 CPU devices (32 rows each; groups straddle the shards).
-    Auto axes: custom_partitioning splits each product by rows, every device with the
-    group sizes clipped to its rows. Explicit axes (where jax's own ragged_dot has no
-    sharding rule): the same in a shard_map. The weight gradient is summed over the
-    shards. Values and gradients are the unsharded ones, the rows stay sharded."""
+    Auto axes: custom_partitioning splits each of our products by rows, every device with
+    the group sizes clipped to its rows (under "auto" these small products are XLA's).
+    Explicit axes (where jax's own ragged_dot has no sharding rule): the same in a
+    shard_map. The weight gradient is summed over the shards. Values and gradients are
+    the unsharded ones, the rows stay sharded."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh = _cpu_mesh("x", axis_type)
@@ -273,7 +282,7 @@ def test_rows_sharded_under_jit(axis_type, policy):
     with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
         rows = NamedSharding(mesh, PartitionSpec("x", None))
         got = jax.jit(value_and_grads)(jax.device_put(lhs, rows), rhs, sizes, jax.device_put(ct, rows))
-        if axis_type == "Auto":  # all three products partitioned, none gathered
+        if axis_type == "Auto" and policy == "kernel":  # all three products partitioned, none gathered
             text = cuda_text(value_and_grads, jax.device_put(lhs, rows), rhs, sizes, jax.device_put(ct, rows))
             assert text.count("@CustomSPMDPartitioning") == 3, text
     out, (d_lhs, d_rhs) = got
@@ -306,17 +315,20 @@ def test_each_device_multiplies_its_rows_on_the_kernel(transpose):
               jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((32,), jnp.int32))
 
     def body(x, w, s, rows):
-        return rd._rows_cuda(x, w, rd._local_sizes(s, rows), transpose_rhs=transpose, out_dtype=bf16)
+        return rd._rows_cuda(x, w, rd._local_sizes(s, rows, 256), transpose_rhs=transpose, out_dtype=bf16)
 
     assert _calls(cuda_text(body, *shards)) == [TARGET]
     # The clipping itself: a shard from row 64 of groups [50, 0, 100, 70] holds 36 rows of
     # group 2 (rows 50-149), none of 0, 1 or 3 past its 32 rows.
-    local = rd._local_sizes(jnp.array([50, 0, 100, 70]), jnp.arange(64, 96, dtype=jnp.int32))
+    local = rd._local_sizes(jnp.array([50, 0, 100, 70]), jnp.arange(64, 96, dtype=jnp.int32), 256)
     assert local.tolist() == [0, 0, 32, 0]
-    local = rd._local_sizes(jnp.array([50, 0, 100, 70]), jnp.arange(128, 160, dtype=jnp.int32))
+    local = rd._local_sizes(jnp.array([50, 0, 100, 70]), jnp.arange(128, 160, dtype=jnp.int32), 256)
     assert local.tolist() == [0, 0, 22, 10]
-    local = rd._local_sizes(jnp.array([50, 0, 100, 70]), jnp.arange(224, 256, dtype=jnp.int32))
+    local = rd._local_sizes(jnp.array([50, 0, 100, 70]), jnp.arange(224, 256, dtype=jnp.int32), 256)
     assert local.tolist() == [0, 0, 0, 0]  # rows past the sizes' sum: zeros
+    # Sizes past int32 in sum (and negative ones) saturate at the rows, as the kernel's do.
+    huge = jnp.array([-5, 2**31 - 1, 2**31 - 1, 7], jnp.int32)
+    assert rd._local_sizes(huge, jnp.arange(224, 256, dtype=jnp.int32), 256).tolist() == [0, 32, 0, 0]
 
 
 def test_contraction_rows_sharded_on_auto_axes():

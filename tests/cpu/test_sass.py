@@ -87,7 +87,10 @@ KIND_EXTRAS = {
     11: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_fused_derivative (act and act' written)
     12: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_immediate (the static order, stores not deferred)
     13: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_static (the default, grid-stride tile order)
+    14: [MULTICAST, "STSM", SETMAXNREG],  # grouped (ragged rows: the deferred store staged by stmatrix, no TMA store)
+    15: [MULTICAST, "STSM", SETMAXNREG],  # grouped_k (the ragged contraction)
 }
+GROUPED_KINDS = {14, 15}
 F16_ACCUMULATION_KIND = 7
 PINGPONG_KIND = 9
 SMALL_M_KIND = 8
@@ -108,7 +111,7 @@ def test_cuobjdump_sass_has_v5_signature(extension_path):
     sass = subprocess.run([_need("cuobjdump"), "-sass", extension_path], check=True, capture_output=True,
                           text=True).stdout
     kernels = _kernels(sass)
-    gemm_kernels = {k: v for k, v in kernels.items() if "gemm_kernel" in k}
+    gemm_kernels = {k: v for k, v in kernels.items() if "gemm_kernel" in k or "grouped_kernel" in k}
     assert gemm_kernels, f"no gemm kernel in {extension_path}"
     kinds_seen = set()
     for name, body in gemm_kernels.items():
@@ -123,11 +126,14 @@ def test_cuobjdump_sass_has_v5_signature(extension_path):
             assert F32_MMA not in body, name
         for needle in signature:
             assert needle in body, f"{needle} missing from {name}"
+        if kind in GROUPED_KINDS:  # tiles cross groups: never a whole-box TMA store
+            assert "UTMASTG" not in body, name
         if kind in WAIT0_KINDS:  # wait_group(0) only: nothing left in flight
             assert WAIT_ONE not in body, name
         # No local memory: the 128-register accumulator stays in registers.
         assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
     assert {0, 1} <= kinds_seen, f"V5 or the default persistent kernel missing: {sorted(kinds_seen)}"
+    assert GROUPED_KINDS <= kinds_seen, f"a grouped kernel missing: {sorted(kinds_seen)}"
 
 
 REGISTER_FILE = 65536

@@ -24,7 +24,9 @@ from jax_hopper.primitives.ragged_dot import ragged_contract, ragged_rows
 DTYPES = [pytest.param(jnp.float16, id="f16"), pytest.param(jnp.bfloat16, id="bf16")]
 # (M, K, N, G, sizes): balanced groups over several tiles; skew, partial N tile; one
 # group (G = 1); empty groups and groups smaller than a tile (G = 256); the sizes summing
-# short of M (rows past them are zeros); a group of one row each; 64 groups over K = 64.
+# short of M (rows past them are zeros); a group of one row each; 64 groups over K = 64;
+# an odd N (rhs [G, N, K] on the kernel, its C rows stored a half pair at a time where
+# unaligned; rhs [G, K, N] then takes jax's computation).
 ROWS_CASES = [
     (2048, 512, 768, 8, "balanced"),
     (1000, 256, 264, 64, "skewed"),
@@ -33,6 +35,8 @@ ROWS_CASES = [
     (1024, 64, 512, 16, "short"),
     (40, 64, 128, 40, "balanced"),
     (3000, 64, 256, 64, "skewed"),
+    (1000, 256, 261, 16, "skewed"),
+    (513, 64, 7, 8, "short"),
 ]
 
 

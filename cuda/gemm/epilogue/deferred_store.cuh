@@ -26,7 +26,8 @@ struct DeferredStore {
   static constexpr int kPendingCols = Cfg::kStoreRowBytes / 2;
   static constexpr int kPendingSubtiles = Cfg::kBlockN / kPendingCols;
   // The next tile's sub-tile 0 reuses buffer 0 right after this tile's last sub-tile:
-  // that must be the other buffer, or the wait above would not cover its store.
+  // with two buffers that must be the other one, or the wait above would not cover its
+  // store (a single buffer, copied out by the warps themselves, waits by __syncwarp).
   static_assert(!Cfg::kDeferredStore || kPendingSubtiles % Cfg::kStoreBuffers == 0,
                 "consecutive tiles' sub-tiles must alternate staging buffers");
   struct Pending {
