@@ -56,8 +56,10 @@ AREAS = (
      "`transposed_ragged_dot_mgpu`) at their best block configurations, and the Pallas Triton lowering; the MoE "
      "step against the same flax layer on `jax.lax.ragged_dot`."),
     ("tensor_parallel", "Tensor-parallel block (2 GPUs)",
-     "`python3 -m jax_hopper.bench --shapes= --tp-mlp TxDxF --devices 2`: x @ W1 column-parallel, GELU, @ W2 "
-     "row-parallel (XLA's all-reduce), ours against jnp in one jitted block, wall time of back-to-back calls."),
+     "`python3 tools/bench.py --shapes= --tp-mlp TxDxF --devices 2`: x @ W1 column-parallel, GELU, @ W2 "
+     "row-parallel (XLA's all-reduce), ours against jnp in one jitted block, wall time of back-to-back calls; and "
+     "the block sequence parallel, `jax_hopper.collective`'s rings (variant \"jax_hopper ring\") against jnp "
+     "with jax's all_gather and psum_scatter."),
     ("host", "Host cost per call",
      "One jitted call of 32 dependent products, so that one Python dispatch covers 32 launches: where the "
      "kernels are short, the sustained (wall-clock) time per call against the kernel time shows what each "
