@@ -25,6 +25,8 @@ Which chunk counts and kinds are fastest is not yet measured (it needs several G
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -175,16 +177,25 @@ def matmul_reduce_scatter(h, w, axis_name, *, chunks: int = 1, preferred_element
 
 
 def sequence_parallel_mlp(x, w1, b1, w2, b2, axis_name, *, activation="gelu_tanh", residual=True,
-                          chunks: int = 1):
-    """The tensor-parallel MLP block with its tokens sharded, inside a shard_map:
+                          chunks: int = 1, mesh=None):
+    """The tensor-parallel MLP block with its tokens sharded:
     y = act(all_gather(x) @ w1 + b1) @ w2 + b2 (+ x), with w1's columns, b1 and w2's rows
-    sharded over `axis_name`, and x's rows (tokens): x [t, d] -> y [t, d], this device's
-    tokens. The hidden activations stay sharded by column; the second product's sum is
-    reduced and scattered back to the tokens' devices. f32 products and epilogues, each
-    rounded once to x's type (the fused kernel's arithmetic)."""
+    sharded over `axis_name`, and x's rows (tokens). Inside a shard_map, x [t, d] -> y
+    [t, d], this device's tokens. With `mesh`, the whole arrays under jit instead: the
+    block runs in a shard_map over that mesh axis (operands resharded to it where they
+    are not), y sharded like x's tokens. The hidden activations stay sharded by column;
+    the second product's sum is reduced and scattered back to the tokens' devices. f32
+    products and epilogues, each rounded once to x's type (the fused kernel's arithmetic)."""
     if activation not in ACTIVATION_FNS:
         raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATION_FNS if a)} or None, "
                          f"got {activation!r}")
+    if mesh is not None:
+        from jax.sharding import PartitionSpec as P
+
+        body = functools.partial(sequence_parallel_mlp, axis_name=axis_name, activation=activation,
+                                 residual=residual, chunks=chunks)
+        specs = (P(axis_name, None), P(None, axis_name), P(axis_name), P(axis_name, None), P())
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(axis_name, None))(x, w1, b1, w2, b2)
     hidden = all_gather_matmul(x, w1, axis_name, chunks=chunks, preferred_element_type=F32)
     hidden = dense_epilogue(hidden, b1, None, activation=activation, dtype=x.dtype)
     out = matmul_reduce_scatter(hidden, w2, axis_name, chunks=chunks, preferred_element_type=F32)

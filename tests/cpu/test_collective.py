@@ -149,6 +149,22 @@ def test_sequence_parallel_mlp(devices, activation):
         assert np.abs(g64 - e64).max() <= 0.05 * scale, (np.abs(g64 - e64).max(), scale)
 
 
+def test_sequence_parallel_mlp_from_whole_arrays_under_jit():
+    """With `mesh`, the block takes whole arrays under jit (here unsharded ones, which it
+    shards itself) and returns the tokens sharded over the axis: the same values as the
+    block run inside a shard_map by hand."""
+    mesh = _mesh(4)
+    x = _normal(20, (16, 32), jnp.float16)
+    w1, b1 = _normal(21, (32, 64), jnp.float16) / 4, _normal(22, (64,), jnp.float16)
+    w2, b2 = _normal(23, (64, 32), jnp.float16) / 4, _normal(24, (32,), jnp.float16)
+    whole = jax.jit(functools.partial(collective.sequence_parallel_mlp, axis_name="x", mesh=mesh, activation="silu"))
+    by_hand = _sharded(functools.partial(collective.sequence_parallel_mlp, axis_name="x", activation="silu"), mesh,
+                       (P("x", None), P(None, "x"), P("x"), P("x", None), P()), P("x", None))
+    out = whole(x, w1, b1, w2, b2)
+    assert out.sharding.spec[0] == "x"
+    assert bool((out == by_hand(x, w1, b1, w2, b2)).all())
+
+
 def test_errors_name_the_problem():
     mesh = _mesh(2)
     h, w = _normal(14, (5, 8), jnp.float16), _normal(15, (8, 4), jnp.float16)
