@@ -30,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jax_hopper._reference import ACTIVATION_FNS, dense_epilogue
 from jax_hopper.ops import dot_general
@@ -190,8 +191,6 @@ def sequence_parallel_mlp(x, w1, b1, w2, b2, axis_name, *, activation="gelu_tanh
         raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATION_FNS if a)} or None, "
                          f"got {activation!r}")
     if mesh is not None:
-        from jax.sharding import PartitionSpec as P
-
         body = functools.partial(sequence_parallel_mlp, axis_name=axis_name, activation=activation,
                                  residual=residual, chunks=chunks)
         specs = (P(axis_name, None), P(None, axis_name), P(axis_name), P(axis_name, None), P())

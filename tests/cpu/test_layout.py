@@ -23,7 +23,7 @@ LAYERS = (
     ("primitives", "primitives.gemm", "primitives.dense_derivative", "primitives.dense_grad", "primitives.dense",
      "primitives.mlp_tangent", "primitives.ragged_dot"),
     ("ops",),
-    ("ragged",),
+    ("ragged", "collective"),
     ("layers",),
     ("nn", "__init__"),
 )
