@@ -73,16 +73,23 @@ def _rows_of(x, block, rows):
     return lax.dynamic_slice_in_dim(x, block * rows, rows, axis=0)
 
 
-def _gather_product(x, w, axis_name, chunks, out_dtype):
-    """The all-gather-matmul ring: step s multiplies the rows of device index + s,
-    received from the next device, whose transfer for step s + 1 is issued first."""
-    size, index = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    pieces = _bounds(x.shape[0], chunks)
-    blocks, held = [], x
+def _passed_around(x, axis_name):
+    """The ring's steps (step, the block): at step s this device holds the block of device
+    index + s, received from the next device. Each block's transfer onward is issued
+    before the block is handed out, so it may run under the step's product."""
+    size = lax.axis_size(axis_name)
+    held = x
     for step in range(size):
         incoming = lax.ppermute(held, axis_name, _ring(axis_name, -1)) if step + 1 < size else None
-        blocks.append(_chunked(held, w, pieces, out_dtype))
+        yield step, held
         held = incoming
+
+
+def _gather_product(x, w, axis_name, chunks, out_dtype):
+    """The all-gather-matmul ring: step s multiplies the rows of device index + s."""
+    size, index = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    pieces = _bounds(x.shape[0], chunks)
+    blocks = [_chunked(held, w, pieces, out_dtype) for _, held in _passed_around(x, axis_name)]
     # blocks[s] holds device (index + s)'s rows: rotated into device order.
     stacked = jnp.roll(jnp.stack(blocks), index, axis=0)
     return stacked.reshape((size * x.shape[0],) + stacked.shape[2:])
@@ -106,19 +113,16 @@ def _scatter_product(h, w, axis_name, chunks, out_dtype):
 
 def _gather_contraction(held, full, axis_name, held_first):
     """all_gather(held)^T @ full (held_first) or full^T @ all_gather(held), over the rows,
-    in f32: the ring passes `held` ([m, a]) on while each step contracts it with the rows
-    of `full` ([P * m, b]) that its source device owns."""
-    size, index = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    rows = held.shape[0]
+    in f32: each step contracts the block passed around ([m, a]) with the rows of `full`
+    ([P * m, b]) that its source device owns."""
+    index = lax.axis_index(axis_name)
     dims = (((0,), (0,)), ((), ()))
     acc = None
-    for step in range(size):
-        incoming = lax.ppermute(held, axis_name, _ring(axis_name, -1)) if step + 1 < size else None
-        other = _rows_of(full, (index + step) % size, rows)
-        a, b = (held, other) if held_first else (other, held)
+    for step, block in _passed_around(held, axis_name):
+        other = _rows_of(full, (index + step) % lax.axis_size(axis_name), held.shape[0])
+        a, b = (block, other) if held_first else (other, block)
         part = dot_general(a, b, dims, preferred_element_type=F32)
         acc = part if acc is None else acc + part
-        held = incoming
     return acc
 
 

@@ -32,6 +32,7 @@ from jax_hopper.primitives.ragged_dot import (
     ragged_contract,
     ragged_rows,
     rows_reference,
+    shard_sizes,
 )
 
 F32 = jnp.dtype(jnp.float32)
@@ -123,9 +124,7 @@ def _sharded_rows_axes(op, lhs, rhs, group_sizes):
 
 def _local_sizes(group_sizes, rows_per_shard, axes):
     """This shard's group sizes: the global groups' rows clipped to its row range."""
-    start = lax.axis_index(axes) * rows_per_shard
-    ends = jnp.clip(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)) - start, 0, rows_per_shard)
-    return jnp.diff(ends, prepend=0)
+    return shard_sizes(group_sizes, lax.axis_index(axes) * rows_per_shard, rows_per_shard)
 
 
 def _sharded_rows(op, on_kernel, lhs, rhs, group_sizes, dims, transpose, out_dtype, axes):

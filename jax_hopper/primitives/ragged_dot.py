@@ -161,16 +161,20 @@ def _contract_cuda(lhs, rhs, group_sizes, *, out_dtype):
 # the result's rows are the device's; N may stay sharded as rhs has it. The contraction:
 # each device's partial sums per group (f32) are added across the row axes, then rounded
 # once; A and B may stay sharded. K, the groups of rhs and the sizes are replicated.
-def _local_sizes(group_sizes, rows, total_rows):
-    """This shard's group sizes: the groups' rows clipped to the shard's, whose row
-    indices are `rows` (contiguous, from the shard's first row). The groups' ends are
-    summed saturating at the operand's `total_rows` (as the kernel clamps them), so sizes
-    that add up past int32 do not wrap (for operands of up to 2^30 rows)."""
-    m = rows.shape[0]
-    start = rows[0] if m else 0
-    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, total_rows)
-    ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, total_rows), sizes)
-    return jnp.diff(jnp.clip(ends - start, 0, m), prepend=0)
+def shard_sizes(group_sizes, start, rows):
+    """The group sizes of a shard of `rows` rows from row `start` on: each group's rows
+    clipped to the shard's. The groups' ends are summed saturating at the shard's end (the
+    clipping needs no more), so sizes that add up past int32 do not wrap, and negative
+    sizes count as 0, as in the kernel."""
+    end = start + rows
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, end)
+    ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, end), sizes)
+    return jnp.diff(jnp.clip(ends - start, 0, rows), prepend=0)
+
+
+def _local_sizes(group_sizes, row_ids):
+    """A partitioned device's sizes, from its slice of the row indices."""
+    return shard_sizes(group_sizes, row_ids[0] if row_ids.shape[0] else 0, row_ids.shape[0])
 
 
 def _row_axes(sharding, rows):
@@ -213,9 +217,9 @@ def _rows_partitioned(local_impl):
         del rows  # unpartitioned, the sizes are the rows'
         return local_impl(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype, period=period)
 
-    def per_device(transpose_rhs, out_dtype, period, total_rows):
+    def per_device(transpose_rhs, out_dtype, period):
         def body(lhs, rhs, group_sizes, rows):
-            return local_impl(lhs, rhs, _local_sizes(group_sizes, rows, total_rows), transpose_rhs=transpose_rhs,
+            return local_impl(lhs, rhs, _local_sizes(group_sizes, rows), transpose_rhs=transpose_rhs,
                               out_dtype=out_dtype, period=period)
         return body
 
@@ -224,8 +228,7 @@ def _rows_partitioned(local_impl):
 
     def partition(transpose_rhs, out_dtype, period, mesh, arg_shapes, result_shape):
         args, out = _rows_plan(mesh, arg_shapes, transpose_rhs)
-        body = per_device(transpose_rhs, out_dtype, period, arg_shapes[0].shape[0])
-        return mesh, part.without_context_mesh(body), out, args
+        return mesh, part.without_context_mesh(per_device(transpose_rhs, out_dtype, period)), out, args
 
     def rule(transpose_rhs, out_dtype, period, mesh, value_types, result_types):
         return "m k, e n k, g, m -> m n" if transpose_rhs else "m k, e k n, g, m -> m n"
@@ -244,9 +247,9 @@ def _contract_partitioned(local_impl):
         del rows
         return local_impl(lhs, rhs, group_sizes, out_dtype=out_dtype)
 
-    def per_device(row_axes, out_dtype, total_rows):
+    def per_device(row_axes, out_dtype):
         def body(lhs, rhs, group_sizes, rows):
-            local = _local_sizes(group_sizes, rows, total_rows)
+            local = _local_sizes(group_sizes, rows)
             if not row_axes:
                 return local_impl(lhs, rhs, local, out_dtype=out_dtype)
             return lax.psum(local_impl(lhs, rhs, local, out_dtype=F32), row_axes).astype(out_dtype)
@@ -257,8 +260,7 @@ def _contract_partitioned(local_impl):
 
     def partition(out_dtype, mesh, arg_shapes, result_shape):
         rows, args, out = _contract_plan(mesh, arg_shapes)
-        body = per_device(rows, out_dtype, arg_shapes[0].shape[0])
-        return mesh, part.without_context_mesh(body), out, args
+        return mesh, part.without_context_mesh(per_device(rows, out_dtype)), out, args
 
     def rule(out_dtype, mesh, value_types, result_types):
         return "r a, r b, g, r -> g a b", {"reduction_factors": ("r",)}

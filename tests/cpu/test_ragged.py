@@ -315,20 +315,20 @@ def test_each_device_multiplies_its_rows_on_the_kernel(transpose):
               jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((32,), jnp.int32))
 
     def body(x, w, s, rows):
-        return rd._rows_cuda(x, w, rd._local_sizes(s, rows, 256), transpose_rhs=transpose, out_dtype=bf16)
+        return rd._rows_cuda(x, w, rd._local_sizes(s, rows), transpose_rhs=transpose, out_dtype=bf16)
 
     assert _calls(cuda_text(body, *shards)) == [TARGET]
     # The clipping itself: a shard from row 64 of groups [50, 0, 100, 70] holds 36 rows of
     # group 2 (rows 50-149), none of 0, 1 or 3 past its 32 rows.
-    local = rd._local_sizes(jnp.array([50, 0, 100, 70]), jnp.arange(64, 96, dtype=jnp.int32), 256)
+    local = rd.shard_sizes(jnp.array([50, 0, 100, 70]), 64, 32)
     assert local.tolist() == [0, 0, 32, 0]
-    local = rd._local_sizes(jnp.array([50, 0, 100, 70]), jnp.arange(128, 160, dtype=jnp.int32), 256)
+    local = rd.shard_sizes(jnp.array([50, 0, 100, 70]), 128, 32)
     assert local.tolist() == [0, 0, 22, 10]
-    local = rd._local_sizes(jnp.array([50, 0, 100, 70]), jnp.arange(224, 256, dtype=jnp.int32), 256)
+    local = rd.shard_sizes(jnp.array([50, 0, 100, 70]), 224, 32)
     assert local.tolist() == [0, 0, 0, 0]  # rows past the sizes' sum: zeros
     # Sizes past int32 in sum (and negative ones) saturate at the rows, as the kernel's do.
     huge = jnp.array([-5, 2**31 - 1, 2**31 - 1, 7], jnp.int32)
-    assert rd._local_sizes(huge, jnp.arange(224, 256, dtype=jnp.int32), 256).tolist() == [0, 32, 0, 0]
+    assert rd.shard_sizes(huge, 224, 32).tolist() == [0, 32, 0, 0]
 
 
 def test_contraction_rows_sharded_on_auto_axes():
