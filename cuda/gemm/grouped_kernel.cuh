@@ -114,10 +114,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
   using Main = Mainloop<Cfg>;
   using Table = GroupTableOf<Cfg>;
   extern __shared__ uint8_t smem_raw[];
-  // Aligned by an offset from smem_raw rather than through an integer: the compiler then
-  // still knows the storage is shared, and reads the group table with LDS, not generic loads.
-  const uint32_t misalignment = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(smem_raw) % kSmemAlignment);
-  auto& smem = *reinterpret_cast<SharedStorage<Cfg>*>(smem_raw + (kSmemAlignment - misalignment) % kSmemAlignment);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(smem_raw);
+  auto& smem = *reinterpret_cast<SharedStorage<Cfg>*>((base + kSmemAlignment - 1) &
+                                                      ~uintptr_t(kSmemAlignment - 1));
   const typename Main::Pipe pipe{smem.full, smem.empty};
   if (threadIdx.x == 0) pipe.init(Cfg::kStageReaders * Cfg::kClusterM);
   Table::build(smem.scheduler.groups, work);
