@@ -4,10 +4,9 @@
 // group table (scheduler/group_table.cuh), which every CTA builds from the device's
 // group sizes at its start; the epilogue is the deferred store (epilogue/
 // deferred_store.cuh): a tile's 16-bit output waits in registers and leaves during the
-// next tile's first K tiles, staged in shared memory, then stored by TMA a warp's 16 rows
-// at a time where they all lie in the tile's group, else copied out a row at a time,
-// masked at the group's last row (a tile may cross into the next group's rows, and a TMA
-// store writes whole boxes). f32 output goes straight from the registers
+// next tile's first K tiles, staged in shared memory and copied out a row at a time,
+// masked at the group's last row, since a tile may cross into the next group's rows (a
+// TMA store writes whole boxes). f32 output goes straight from the registers
 // (epilogue/direct_store.cuh), masked the same way. Ragged rows then zero C's rows
 // past the groups (and, batched, each entry's gap group); the ragged contraction zeroes the rows past its group in the last K
 // tile of the group, in both operands, before the MMAs read them.
@@ -109,7 +108,7 @@ __device__ void store_zeros(const OutputParams& out, int batch, int row0, int co
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     grouped_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                   const __grid_constant__ CUtensorMap tmap_c, const OutputParams out, const GroupedWork work) {
+                   const OutputParams out, const GroupedWork work) {
   static_assert(Cfg::kGrouped, "a grouped kind");
   using Main = Mainloop<Cfg>;
   using Table = GroupTableOf<Cfg>;
@@ -153,7 +152,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
     // flushed before a path that leaves the tile without MMAs.
     typename Deferred::Pending pending;
     pending.valid = false;
-    const auto flush = [&](int first) { Deferred::flush(pending, buffers, &tmap_c, out, warpgroup, first); };
+    const auto flush = [&](int first) { Deferred::flush(pending, buffers, nullptr, out, warpgroup, first); };
     // The tile count is read from the table each time round rather than held in a register.
     for (int t = cluster; t < table.num_tiles(); t += work.clusters) {
       const GroupTile tile = table.tile(t, cta_rank);
@@ -176,7 +175,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
       }
       typename Main::Acc acc;
       const typename Main::Nothing nothing;
-      const auto during = [&](int kt) { Deferred::store_pending_during(pending, buffers, &tmap_c, out, warpgroup, kt); };
+      const auto during = [&](int kt) { Deferred::store_pending_during(pending, buffers, nullptr, out, warpgroup, kt); };
       if constexpr (Cfg::kRaggedK) {
         const int last = tile.k_tiles - 1, last_rows = tile.last_k_rows;
         Main::mma(pipe, smem, warpgroup, tile.k_tiles, acc, read, nothing, nothing, during,
@@ -200,7 +199,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kCtasPerSm)
       }
     }
     flush(0);
-    Deferred::finish(out);
     if constexpr (!Cfg::kRaggedK) {
       constexpr int kConsumerThreads = Cfg::kConsumerWarpgroups * hopper::kWarpgroupSize;
       zero_rows_past(out, table.rows_covered(), static_cast<int>(blockIdx.x) * kConsumerThreads + threadIdx.x,

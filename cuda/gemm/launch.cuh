@@ -56,42 +56,32 @@ Status encode_operand(CUtensorMap* map, const void* ptr, int64_t mn, int64_t k, 
   return hopper::encode_tensor_map_3d(map, d);
 }
 
-// Tensor map of an output-shaped matrix (`rows` x n per batch entry, row length `ld`,
-// `bytes` per element) in boxes one 128-byte swizzle row wide by `box_rows` rows. False
-// (and no map) when its layout is not one TMA can address (16-byte aligned base and
-// row/batch strides).
-inline Status encode_store_map(CUtensorMap* map, const void* base, int64_t rows, int64_t n, int64_t ld, int64_t batch,
-                               int64_t batch_stride, uint32_t bytes, uint32_t row_bytes, uint32_t box_rows,
-                               bool* usable) {
+// Tensor map of an output-shaped matrix (M x N, row length `ld`, `bytes` per element)
+// in the TMA-store epilogue's boxes: one 128-byte swizzle row wide by one wgmma row
+// block (64 rows). False (and no map) when its layout is not one TMA can address
+// (16-byte aligned base and row/batch strides).
+template <class Cfg>
+Status encode_subtile_map(CUtensorMap* map, const GemmArgs& args, const void* base, int64_t ld,
+                          int64_t batch_stride, uint32_t bytes, bool* usable) {
   constexpr int64_t kAlign = 16;
   // Rows of N x bytes a multiple of 16 too: with a padded ld (a 16-byte multiple) and
   // f32 N = 131 or f16 N = 255, a review helper saw the TMA store write one element per
   // row past N into the padding on an H200.
   // jax_hopper's own calls have ld = N, for which this adds nothing.
-  *usable = reinterpret_cast<uintptr_t>(base) % kAlign == 0 && ld * bytes % kAlign == 0 && n * bytes % kAlign == 0 &&
-            (batch == 1 || batch_stride * bytes % kAlign == 0);
+  *usable = Cfg::kTmaStoreEpilogue && reinterpret_cast<uintptr_t>(base) % kAlign == 0 && ld * bytes % kAlign == 0 &&
+            args.n * bytes % kAlign == 0 && (args.batch == 1 || batch_stride * bytes % kAlign == 0);
   if (!*usable) return Status::Ok();
   hopper::TensorMap3d d;
   d.base = base;
-  d.inner = static_cast<uint64_t>(n);
-  d.outer = static_cast<uint64_t>(rows);
-  d.batch = static_cast<uint64_t>(batch);
+  d.inner = static_cast<uint64_t>(args.n);
+  d.outer = static_cast<uint64_t>(args.m);
+  d.batch = static_cast<uint64_t>(args.batch);
   d.row_stride = static_cast<uint64_t>(ld);
   d.batch_stride = static_cast<uint64_t>(batch_stride);
-  d.box_inner = row_bytes / bytes;
-  d.box_outer = box_rows;
+  d.box_inner = Cfg::kStoreRowBytes / bytes;
+  d.box_outer = Cfg::kStoreRows;
   d.element_bytes = bytes;
   return hopper::encode_tensor_map_3d(map, d);
-}
-
-// The TMA-store epilogue's map of an M x N output: boxes of one sub-tile (64 rows).
-template <class Cfg>
-Status encode_subtile_map(CUtensorMap* map, const GemmArgs& args, const void* base, int64_t ld,
-                          int64_t batch_stride, uint32_t bytes, bool* usable) {
-  *usable = false;
-  if (!Cfg::kTmaStoreEpilogue) return Status::Ok();
-  return encode_store_map(map, base, args.m, args.n, ld, args.batch, batch_stride, bytes, Cfg::kStoreRowBytes,
-                          Cfg::kStoreRows, usable);
 }
 
 // C's map (or the derivative kind's D: C's shape and layout); without one the kernel
@@ -581,22 +571,12 @@ Status launch_grouped(const GemmArgs& args, cudaStream_t stream) {
   const size_t c_bytes = args.c_f32 ? sizeof(float) : sizeof(typename Cfg::Element);
   const bool paired = args.ldc % 2 == 0 && args.batch_stride_c % 2 == 0 &&
                       reinterpret_cast<uintptr_t>(args.c) % (2 * c_bytes) == 0;
-  // 16-bit C leaves by TMA stores of one warp's rows of a sub-tile where they all lie in
-  // the tile's group (DeferredStore::store_pending_subtile), if TMA can address C.
-  CUtensorMap tmap_c = {};
-  bool tma_store = false;
-  if (!args.c_f32) {
-    st = encode_store_map(&tmap_c, args.c, args.m, args.n, args.ldc, Cfg::kRaggedK ? args.groups : 1,
-                          Cfg::kRaggedK ? args.batch_stride_c : 0, sizeof(typename Cfg::Element), Cfg::kStoreRowBytes,
-                          DirectStore<Cfg>::kRowsPerWarp, &tma_store);
-    if (!st.ok()) return st;
-  }
   const OutputParams out{args.c,  args.ldc, Cfg::kRaggedK ? args.batch_stride_c : 0, static_cast<int>(args.m),
-                         static_cast<int>(args.n), args.c_f32, paired, tma_store, nullptr, nullptr, 0, false,
+                         static_cast<int>(args.n), args.c_f32, paired, false, nullptr, nullptr, 0, false,
                          Activation::kNone, nullptr};
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t config = launch_config<Cfg>(clusters * Cfg::kClusterM, Cfg::kClusterM, kSmem, stream, &attr);
-  return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, tmap_c, out, work), "grouped kernel launch");
+  return cuda_status(cudaLaunchKernelEx(&config, kernel, tmap_a, tmap_b, out, work), "grouped kernel launch");
 }
 
 // The symbol each generated translation unit instantiates (instance.cu.in).

@@ -87,10 +87,8 @@ KIND_EXTRAS = {
     11: [MULTICAST, *TMA_STORE, SETMAXNREG, "REDUX", "ATOMG"],  # persistent_fused_derivative (act and act' written)
     12: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_immediate (the static order, stores not deferred)
     13: [MULTICAST, *TMA_STORE, SETMAXNREG],  # persistent_static (the default, grid-stride tile order)
-    # The grouped kinds: the deferred store's sub-tiles leave by TMA store a warp's rows at
-    # a time inside a group, and by the warps' own masked stores (STG) at a group's end.
-    14: [MULTICAST, *TMA_STORE, "STG", SETMAXNREG],  # grouped (ragged rows)
-    15: [MULTICAST, *TMA_STORE, "STG", SETMAXNREG],  # grouped_k (the ragged contraction)
+    14: [MULTICAST, "STSM", SETMAXNREG],  # grouped (ragged rows: the deferred store staged by stmatrix, no TMA store)
+    15: [MULTICAST, "STSM", SETMAXNREG],  # grouped_k (the ragged contraction)
 }
 GROUPED_KINDS = {14, 15}
 F16_ACCUMULATION_KIND = 7
@@ -128,6 +126,8 @@ def test_cuobjdump_sass_has_v5_signature(extension_path):
             assert F32_MMA not in body, name
         for needle in signature:
             assert needle in body, f"{needle} missing from {name}"
+        if kind in GROUPED_KINDS:  # tiles cross groups: never a whole-box TMA store
+            assert "UTMASTG" not in body, name
         if kind in WAIT0_KINDS:  # wait_group(0) only: nothing left in flight
             assert WAIT_ONE not in body, name
         # No local memory: the 128-register accumulator stays in registers.

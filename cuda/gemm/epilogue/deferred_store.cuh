@@ -86,10 +86,10 @@ struct DeferredStore {
   }
 
   // Sub-tile s of the pending tile: staged, then one TMA store, or (C rows TMA cannot
-  // address) copy_out; the grouped kinds: store_warp_rows. In copy_out each warp stages
-  // (stmatrix) and copies only its own 16 rows, so a __syncwarp orders the two; before
-  // the staging, one is needed only where the buffer is the one the warp just copied out
-  // (a single buffer). With two,
+  // address, the grouped kinds) copy_out. There each warp stages (stmatrix) and copies
+  // only its own 16 rows, so a __syncwarp orders the two; before the staging, one is
+  // needed only where the buffer is the one the warp just copied out (a single buffer,
+  // the grouped kinds': their group table takes the second's shared memory). With two,
   // the warp read this buffer two sub-tiles ago, before the __syncwarp after the last
   // staging. (A warpgroup barrier here made each warp wait for the slowest of four.)
   __device__ static void store_pending_subtile(const Pending& pending, Buffers& buffers, const CUtensorMap* tmap_c,
@@ -98,51 +98,13 @@ struct DeferredStore {
     const int col = pending.col0 + s * kPendingCols;
     if (Cfg::kTmaStoreEpilogue && out.tma_store) {
       Tma::store_subtile(stage, buffers, tmap_c, warpgroup, s, pending.batch, pending.row0, col);
-    } else if constexpr (Cfg::kGrouped) {
-      store_warp_rows(stage, buffers[s % Cfg::kStoreBuffers], tmap_c, out, pending, col);
     } else {
       uint8_t* buf = buffers[s % Cfg::kStoreBuffers];
       if constexpr (Cfg::kStoreBuffers == 1) __syncwarp();
       stage(buf);
       __syncwarp();
-      copy_out(buf, out, pending.batch, pending.row0, col, out.m);
+      copy_out(buf, out, pending.batch, pending.row0, col, Cfg::kGrouped ? pending.row_end : out.m);
     }
-  }
-
-  // The grouped kinds' sub-tile: each warp stages its own 16 rows, then stores them with
-  // one TMA store (a box of 16 rows: tmap_c, launch_grouped) where all 16 lie before the
-  // group's end and C is TMA-addressable, else copies them out, masked there. Only the
-  // warp touches its rows of the buffer, so a __syncwarp orders its stages and stores;
-  // before restaging, the warp's last TMA store (one sub-tile, so one K tile, ago) must
-  // have read them.
-  template <class Stage>
-  __device__ static void store_warp_rows(Stage stage, uint8_t* buf, const CUtensorMap* tmap_c,
-                                         const OutputParams& out, const Pending& pending, int col) {
-    static_assert(Cfg::kStoreBuffers == 1, "one buffer per warpgroup: the group table takes the second's room");
-    constexpr int kRowsPerWarp = Cfg::kStoreRows / hopper::kWarpsPerWarpgroup;
-    const int t = hopper::thread_in_warpgroup();
-    const bool elected = t % hopper::kWarpSize == 0;
-    const int first_row = t / hopper::kWarpSize * kRowsPerWarp;
-    if (out.tma_store && elected) hopper::bulk_wait_group_read<0>();
-    __syncwarp();
-    stage(buf);
-    if (out.tma_store && pending.row0 + first_row + kRowsPerWarp <= pending.row_end) {
-      hopper::fence_proxy_async_shared();
-      __syncwarp();
-      if (elected) {
-        hopper::tma_store_3d(tmap_c, buf + first_row * Cfg::kStoreRowBytes, col, pending.row0 + first_row,
-                             pending.batch);
-        hopper::bulk_commit_group();
-      }
-    } else {
-      __syncwarp();
-      copy_out(buf, out, pending.batch, pending.row0, col, pending.row_end);
-    }
-  }
-
-  // The grouped kinds' TMA stores must have read shared memory before the CTA exits.
-  __device__ static void finish(const OutputParams& out) {
-    if (out.tma_store && hopper::thread_in_warpgroup() % hopper::kWarpSize == 0) hopper::bulk_wait_group_read<0>();
   }
 
   // Run once the MMAs of the next tile's K tile `kt` are issued.
