@@ -16,7 +16,10 @@
 # -C cmake.define.JAX_HOPPER_EXPERIMENTAL_KERNELS=ON": the debug build the fuzz runs on
 # once per session, with every kind). BENCH_COMMAND_BUFFERS=1 runs the benchmark twice,
 # with XLA's command buffers as it sets them and with them off (bench.json and
-# bench_no_command_buffers.json).
+# bench_no_command_buffers.json). RAGGED_CASES="mixtral_up olmoe ..." runs
+# tools/bench_ragged.py one process per case (ragged_<case>.json; all: "all"), each bounded
+# by RAGGED_CASE_TIMEOUT (s, default 100), and RAGGED_MOE=TOKENSxDxHxExTOPK the MoE
+# training step (ragged_moe.json), after the tests and before the benchmark.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${1:-${OUT:-$REPO/device-out}}
@@ -85,6 +88,21 @@ if [ -n "${FUZZ_SECONDS:-}" ]; then
   fuzz_rc=$?
   grep -E "FAIL|cases \(" "$LOG/fuzz.log" | tail -40
   [ "$fuzz_rc" = 0 ] || { echo "fuzz: exit $fuzz_rc (log: fuzz.log)"; tail -5 "$LOG/fuzz.log"; rc=1; }
+fi
+if [ -n "${RAGGED_CASES:-}" ] || [ -n "${RAGGED_MOE:-}" ]; then
+  cases=${RAGGED_CASES:-}
+  [ "$cases" = all ] && cases=$(python3 -c "import sys; sys.path.insert(0, '$REPO/tools'); import bench_ragged; print(' '.join(c.name for c in bench_ragged.CASES))")
+  for c in $cases; do
+    timeout "${RAGGED_CASE_TIMEOUT:-100}" python3 "$REPO/tools/bench_ragged.py" --cases "$c" --samples 5 \
+      ${COMMIT:+--commit "$COMMIT"} --json "$LOG/ragged_$c.json" 2>"$LOG/ragged_$c.err" | tee -a "$LOG/ragged.log"
+    case_rc=${PIPESTATUS[0]}
+    [ "$case_rc" = 0 ] || { echo "bench_ragged $c: exit $case_rc (ragged_$c.err)"; rc=1; }
+  done
+  if [ -n "${RAGGED_MOE:-}" ]; then
+    timeout "${RAGGED_CASE_TIMEOUT:-100}" python3 "$REPO/tools/bench_ragged.py" --moe "$RAGGED_MOE" --samples 5 \
+      ${COMMIT:+--commit "$COMMIT"} --json "$LOG/ragged_moe.json" 2>"$LOG/ragged_moe.err" | tee -a "$LOG/ragged.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || { echo "bench_ragged --moe: failed (ragged_moe.err)"; rc=1; }
+  fi
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 900 python3 "$REPO/tools/bench.py" ${BENCH_ARGS:-} ${COMMIT:+--commit "$COMMIT"} --json "$LOG/bench.json" \
