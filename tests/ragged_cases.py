@@ -31,10 +31,15 @@ def operands(m, k, n, groups, dtype, *, transpose=False, seed=0):
     return lhs, rhs
 
 
+EDGE_SIZES = (0, 1, 15, 16, 17, 100, 1000)
+
+
 def sizes_of(kind, m, groups, seed=0):
     """int32 group sizes of one pattern: "balanced" (m split evenly), "skewed" (one group
     takes most), "one" (every row in one group), "sparse" (every other group empty),
-    "short" (the sizes sum to about 3/4 of m: the rest are zeros)."""
+    "short" (the sizes sum to about 3/4 of m: the rest are zeros), "edges" (EDGE_SIZES in
+    turn: an empty group, a single row, and sizes one short of, at and one past a warp's
+    16 rows, then groups across tiles; m must hold their sum, the rest are zeros)."""
     rng = np.random.default_rng(seed)
     if kind == "balanced":
         sizes = np.full(groups, m // groups)
@@ -51,6 +56,10 @@ def sizes_of(kind, m, groups, seed=0):
         sizes[live] = rng.multinomial(m, np.ones(len(live)) / len(live))
     elif kind == "short":
         sizes = rng.multinomial(3 * m // 4, np.ones(groups) / groups)
+    elif kind == "edges":
+        sizes = np.resize(EDGE_SIZES, groups)
+        if sizes.sum() > m:
+            raise ValueError(f"{groups} groups of EDGE_SIZES need {sizes.sum()} rows, m is {m}")
     else:
         raise ValueError(kind)
     return jnp.asarray(sizes, jnp.int32)

@@ -26,7 +26,8 @@ DTYPES = [pytest.param(jnp.float16, id="f16"), pytest.param(jnp.bfloat16, id="bf
 # group (G = 1); empty groups and groups smaller than a tile (G = 256); the sizes summing
 # short of M (rows past them are zeros); a group of one row each; 64 groups over K = 64;
 # an odd N (rhs [G, N, K] on the kernel, its C rows stored a half pair at a time where
-# unaligned; rhs [G, K, N] then takes jax's computation).
+# unaligned; rhs [G, K, N] then takes jax's computation); group sizes around a warp's 16
+# rows, with N = 72 (sub-tiles wholly past N).
 ROWS_CASES = [
     (2048, 512, 768, 8, "balanced"),
     (1000, 256, 264, 64, "skewed"),
@@ -37,6 +38,7 @@ ROWS_CASES = [
     (3000, 64, 256, 64, "skewed"),
     (1000, 256, 261, 16, "skewed"),
     (513, 64, 7, 8, "short"),
+    (1200, 64, 72, 7, "edges"),
 ]
 
 
@@ -70,13 +72,15 @@ def test_ragged_rows_in_f32(hopper, case):
 
 # (R rows, A, B, G, sizes): the contraction's output is [G, A, B]; A = 136 leaves the
 # cluster's second tile mostly past A; empty groups give zeros; sizes short of R leave
-# rows out; every group shorter than a K tile.
+# rows out; every group shorter than a K tile; group sizes around a warp's 16 rows, with
+# C's rows (72) ending inside a warp's.
 CONTRACT_CASES = [
     (2048, 256, 512, 8, "balanced"),
     (1000, 136, 264, 64, "skewed"),
     (513, 128, 128, 256, "sparse"),
     (300, 64, 64, 3, "short"),
     (200, 128, 256, 40, "balanced"),
+    (1200, 72, 200, 7, "edges"),
 ]
 
 
