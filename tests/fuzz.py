@@ -85,7 +85,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from f16_model import ABS_FLOOR, BOUND_SLACK, F16_UNIT_ROUNDOFF_ANY_ROUNDING, emulate_steps  # noqa: E402
-from helpers import ACTIVATIONS, F32_ACT, F32_UNIT_ROUNDOFF, ULP, run_into_poison  # noqa: E402
+from helpers import ACTIVATIONS, F32_ACT, F32_UNIT_ROUNDOFF, ULP, run_into_poison, use_mesh  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -970,11 +970,6 @@ def fuzz_sharded(c: Case):
     if c.sharding_mismatches:
         detail = f"{detail}; SHARDING differs from jnp's: {'; '.join(c.sharding_mismatches)}"
     return f"sharded {what} specs={c.specs}", ok, detail
-
-
-def use_mesh(mesh):
-    """The mesh context (jax.sharding.use_mesh before jax 0.11's jax.set_mesh)."""
-    return jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh)
 
 
 def attempt(fn, *args):

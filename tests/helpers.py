@@ -109,6 +109,11 @@ def assert_same_product(out, expected, lhs, rhs, dimension_numbers):
                           f"{np.max(np.abs(o - r) - np.maximum(bound, np.abs(e - r))):.3e}"
 
 
+def use_mesh(mesh):
+    """The mesh context (jax.sharding.use_mesh before jax 0.11's jax.set_mesh)."""
+    return jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh)
+
+
 def cuda_text(fn, *args):
     """StableHLO of jit(fn) lowered for CUDA (works on a machine without a GPU)."""
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

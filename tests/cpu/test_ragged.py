@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cuda_text
+from helpers import cuda_text, use_mesh
 from hypothesis import given, settings
 from ragged_cases import (
     assert_gradients_within_rounding,
@@ -279,7 +279,7 @@ def test_rows_sharded_under_jit(axis_type, policy):
             return out, vjp(c)
 
     expected = jax.jit(value_and_grads)(lhs, rhs, sizes, ct)
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+    with use_mesh(mesh):
         rows = NamedSharding(mesh, PartitionSpec("x", None))
         got = jax.jit(value_and_grads)(jax.device_put(lhs, rows), rhs, sizes, jax.device_put(ct, rows))
         if axis_type == "Auto" and policy == "kernel":  # all three products partitioned, none gathered
@@ -331,18 +331,27 @@ def test_each_device_multiplies_its_rows_on_the_kernel(transpose):
     assert rd.shard_sizes(huge, 224, 32).tolist() == [0, 32, 0, 0]
 
 
+def _contraction_operands(dtype, seed):
+    """x [256, 24] and y [256, 40] (the rows the groups split) and 6 skewed group sizes."""
+    x, _ = operands(256, 24, 8, 1, dtype, seed=seed)
+    y, _ = operands(256, 40, 8, 1, dtype, seed=seed + 1)
+    return x, y, sizes_of("skewed", 256, 6, seed=seed + 2)
+
+
+def _rows_sharded(mesh, *arrays):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rows = NamedSharding(mesh, PartitionSpec("x", None))
+    return tuple(jax.device_put(a, rows) for a in arrays)
+
+
 def test_contraction_rows_sharded_on_auto_axes():
     """The weight gradient's form with its rows sharded on Auto axes: each device's f32
     sums per group over its rows, added across the devices, rounded once."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     mesh = _cpu_mesh("x", "Auto")
-    x, _ = operands(256, 24, 8, 1, jnp.bfloat16, seed=26)
-    y, _ = operands(256, 40, 8, 1, jnp.bfloat16, seed=27)
-    sizes = sizes_of("skewed", 256, 6, seed=28)
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
-        rows = NamedSharding(mesh, PartitionSpec("x", None))
-        xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
+    x, y, sizes = _contraction_operands(jnp.bfloat16, seed=26)
+    with use_mesh(mesh):
+        xs, ys = _rows_sharded(mesh, x, y)
         with jax_hopper.dispatch("kernel"):
             f = jax.jit(lambda a, b, s: jax_hopper.ragged_dot_general(a, b, s, CONTRACT))
             out = f(xs, ys, sizes)
@@ -353,16 +362,11 @@ def test_contraction_rows_sharded_on_auto_axes():
 
 
 def test_contraction_rows_sharded_explicitly():
-    from jax.sharding import NamedSharding, PartitionSpec
-
     mesh = _cpu_mesh("x", "Explicit")
-    x, _ = operands(256, 24, 8, 1, jnp.float16, seed=23)
-    y, _ = operands(256, 40, 8, 1, jnp.float16, seed=24)
-    sizes = sizes_of("skewed", 256, 6, seed=25)
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
-        rows = NamedSharding(mesh, PartitionSpec("x", None))
+    x, y, sizes = _contraction_operands(jnp.float16, seed=23)
+    with use_mesh(mesh):
         f = jax.jit(lambda a, b, s: jax_hopper.ragged_dot_general(a, b, s, CONTRACT))
-        xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
+        xs, ys = _rows_sharded(mesh, x, y)
         out = f(xs, ys, sizes)
         with jax_hopper.dispatch("kernel"):  # each shard's sum on the kernel, for CUDA
             assert _calls(f.trace(xs, ys, sizes).lower(lowering_platforms=("cuda",)).as_text()) == [TARGET]

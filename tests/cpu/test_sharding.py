@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_product, cuda_text, full_f32, kernel_ids, relative_error
+from helpers import assert_same_product, cuda_text, full_f32, kernel_ids, relative_error, use_mesh
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -180,10 +180,6 @@ def _shard_mesh(axis_type):
     return jax.make_mesh((SHARD_MESH_SIZE,), ("x",), axis_types=(axis_type,), devices=cpus[:SHARD_MESH_SIZE])
 
 
-def _use(mm):
-    return jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm)
-
-
 @pytest.mark.parametrize("rows, sharded, want", [
     (SHARD_ROWS_TO_XLA * SHARD_MESH_SIZE, False, "small_m"),
     (SHARD_ROWS_TO_XLA * SHARD_MESH_SIZE, True, "xla"),
@@ -201,7 +197,7 @@ def test_each_device_asks_the_rules_for_its_shards(rows, sharded, want):
     mm = _shard_mesh(AxisType.Explicit)
     a = jax.ShapeDtypeStruct((rows, SHARD_K), jnp.float16, sharding=NamedSharding(mm, P("x" if sharded else None)))
     b = jax.ShapeDtypeStruct((SHARD_K, SHARD_N), jnp.float16, sharding=NamedSharding(mm, P()))
-    with _use(mm):
+    with use_mesh(mm):
         with jax_hopper.dispatch("auto"):
             assert jax_hopper.dispatch_path(a, b, DN)[0] == "kernel"  # the whole product is ours
             text = cuda_text(jax_hopper.matmul, a, b)
@@ -224,7 +220,7 @@ def test_a_kind_asked_for_by_name_runs_on_every_shard(sharded):
     mm = _shard_mesh(AxisType.Explicit)
     a = jax.ShapeDtypeStruct((1024, 4096), jnp.float16, sharding=NamedSharding(mm, P("x" if sharded else None)))
     b = jax.ShapeDtypeStruct((4096, 4096), jnp.float16, sharding=NamedSharding(mm, P()))
-    with _use(mm):
+    with use_mesh(mm):
         text = cuda_text(lambda x, y: gemm(x, y, kernel=SMALL_M_KERNEL), a, b)
     assert _custom_call_kinds(text) == [KERNELS[SMALL_M_KERNEL]]
 
@@ -246,7 +242,7 @@ def test_a_sharded_contraction_asks_the_rules_for_f32_partial_sums(size, want):
     whole = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (a, b)]  # (jax asks an out_sharding of a K split)
     with jax_hopper.dispatch("auto"):
         assert jax_hopper.dispatch_path(*whole, DN) == ("kernel", "wide-aligned" if want == "xla" else "unaligned-rows")
-    with _use(mm):
+    with use_mesh(mm):
         text = cuda_text(lambda x, y: gemm(x, y, kernel=DEFAULT_KERNEL, rules=True), a, b)
     assert "sdy.manual_computation" in text and "stablehlo.all_reduce" in text  # f32 partial sums, summed
     if want == "xla":
@@ -315,7 +311,7 @@ def test_each_device_asks_the_rules_for_its_fused_layer(activation, policy, shar
     same shapes unsharded are. Policy "kernel" keeps the fused kind on every shard."""
     mm = _shard_mesh(AxisType.Explicit)
     x, w, b = _layer_operands(mm, P("x" if sharded else None))
-    with _use(mm):
+    with use_mesh(mm):
         with jax_hopper.dispatch(policy):
             text = cuda_text(lambda x, w, b: jax_hopper.dense(x, w, b, activation=activation), x, w, b)
     assert "sdy.manual_computation" in text
@@ -364,7 +360,7 @@ def test_a_fused_layer_with_k_split_asks_the_rules_for_its_partial_sums(rules, w
 
     mm = _shard_mesh(AxisType.Explicit)
     x, w, b = _layer_operands(mm, P(None, "x"), P("x", None))
-    with _use(mm):
+    with use_mesh(mm):
         text = cuda_text(lambda x, w, b: fused_dense(x, w, b, activation="gelu_tanh", rules=rules), x, w, b)
     assert "stablehlo.all_reduce" in text and _fused_calls(text) == 0  # the epilogue runs on the sum
     if want == "xla":
@@ -476,7 +472,7 @@ def test_partly_manual_shard_map_partitions_the_free_axis_like_jnp(axis_type, la
     cases = [(P(None, None, None), P(None, "y"))]
     if axis_type == AxisType.Auto:
         cases.append((P(None, None, "y"), P("y", None)))
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         for sx, sw in cases:
             xs = jax.device_put(x, NamedSharding(mm, sx))
             ws = jax.device_put(w, NamedSharding(mm, sw))
@@ -518,7 +514,7 @@ def test_jitted_hvp_with_an_untyped_tangent_behaves_like_jnp(wrt, result, policy
     # The f32 computation, on one device (XLA's partitioning is not under test in it).
     with full_f32():
         want = hvp(lambda a, b, **kw: jnp.matmul(a, b))(*(a.astype(jnp.float32) for a in (x0, w0, v)))
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm), \
+    with use_mesh(mm), \
             jax_hopper.dispatch(policy):
         for sx, sw in [(P("x", None), P()), (P(), P(None, "y")), (P("x", None), P(None, "y")),
                        (P(None, "y"), P("y", None))]:  # the last: a sharded K, which jnp refuses
@@ -540,7 +536,7 @@ def test_explicit_axis_types_behave_like_jnp():
     mm = mesh(AxisType.Explicit)
     a = _random(jax.random.key(6), (M, K))
     b = _random(jax.random.key(7), (K, N))
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         for sa, sb in [(P("x", None), P()), (P(), P(None, "x")), (P("x", None), P(None, "y"))]:
             a_s = jax.device_put(a, NamedSharding(mm, sa))
             b_s = jax.device_put(b, NamedSharding(mm, sb))
@@ -663,7 +659,7 @@ def test_derivative_on_xla_keeps_explicit_shardings():
     dW contracts over the sharded M, which under explicit axes needs the operand's
     out_sharding, as jax's own dot transpose passes it."""
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         a = jax.device_put(_random(jax.random.key(8), (M, K)), NamedSharding(mm, P("x", None)))
         w = jax.device_put(_random(jax.random.key(9), (K, N)), NamedSharding(mm, P()))
 
@@ -717,7 +713,7 @@ def test_explicit_product_whose_plan_jax_cannot_type_is_jaxs(policy):
     where lax.dot_general computes (found by tests/fuzz.py); now jax computes it."""
     mm = mesh(AxisType.Explicit)
     dims = (((0, 3), (0, 3)), ((), ()))
-    with _use(mm):
+    with use_mesh(mm):
         a = jax.device_put(_random(jax.random.key(856), (261, 1, 15, 5), jnp.bfloat16), NamedSharding(mm, P()))
         b = jax.device_put(_random(jax.random.key(857), (261, 2 * MESH_SHAPE[1] * 83, 1, 5), jnp.bfloat16),
                            NamedSharding(mm, P(None, "y")))
@@ -748,7 +744,7 @@ def test_explicit_batch_sharded_on_one_operand_differentiates_like_lax():
             return None
         return grads(jax_hopper.dot_general, a, b), ref
 
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         a = jax.device_put(_random(jax.random.key(8), (B, M, K)), NamedSharding(mm, P("x")))
         b = jax.device_put(_random(jax.random.key(9), (B, K, N)), NamedSharding(mm, P()))
         results = [both(a, b)]
@@ -767,7 +763,7 @@ def test_explicit_affine_dense_transposes_like_jnp(operand):
     its operand's type (the transpose rule once rebuilt the operand without its sharding,
     and jax refused the cotangent)."""
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         ops = {"x": jax.device_put(_random(jax.random.key(12), (M, K)), NamedSharding(mm, P("x", None))),
                "w": jax.device_put(_random(jax.random.key(13), (K, N)), NamedSharding(mm, P(None, "y"))),
                "bias": jax.device_put(_random(jax.random.key(14), (N,)), NamedSharding(mm, P("y")))}
@@ -787,7 +783,7 @@ def test_explicit_dense_result_type_follows_jnp():
     """The fused dense's result type under explicit axes: M as x, N as w (it copied x's
     sharding, putting K's mesh axis on N); a sharded K asks for out_sharding like jnp."""
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         x = jax.device_put(_random(jax.random.key(10), (M, K)), NamedSharding(mm, P("x", None)))
         w = jax.device_put(_random(jax.random.key(11), (K, N)), NamedSharding(mm, P(None, "y")))
         ours = jax.jit(lambda x, w: jax_hopper.dense(x, w, activation="relu"))(x, w)
@@ -809,7 +805,7 @@ def test_explicit_sequence_sharded_activations_keep_their_sharding():
     jnp's result type. A fold that would still drop a sharding (the rhs's free dims
     [K, N1, N2] with N2 sharded) runs jax's own dot."""
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         x = jax.device_put(_random(jax.random.key(12), (B, M, K)), NamedSharding(mm, P(None, "x")))
         w = jax.device_put(_random(jax.random.key(13), (K, N)), NamedSharding(mm, P()))
         ref = jax.jit(jnp.matmul)(x, w)
@@ -836,7 +832,7 @@ def test_explicit_sequence_sharded_gradients_and_residuals_follow_jnp():
     sharded unlike x @ w makes jnp's sum combine the shardings: that layer runs jnp's
     computation, so the result type is jnp's."""
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         x = jax.device_put(_random(jax.random.key(40), (B, M, K)), NamedSharding(mm, P(None, "x")))
         w = jax.device_put(_random(jax.random.key(41), (K, N)), NamedSharding(mm, P()))
         r = jax.device_put(_random(jax.random.key(42), (B, M, N)), NamedSharding(mm, P(None, None, "y")))
@@ -861,7 +857,7 @@ def test_explicit_mesh_gradients_with_a_sharded_contraction_in_the_backward(poli
     Hopper) that dot raised jax's 'Contracting dimensions are sharded' (it lacked the
     result's sharding); on Hopper GPUs our kernel runs it."""
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         a = jax.device_put(_random(jax.random.key(20), (M, K)), NamedSharding(mm, P("x", None)))
         b = jax.device_put(_random(jax.random.key(21), (K, N)), NamedSharding(mm, P(None, "y")))
 
@@ -883,7 +879,7 @@ def test_explicit_matmul_against_a_batch_it_broadcasts_over_keeps_the_batch_shar
     with no collective, as jnp's. W broadcast to [B, M, K] as a replicated copy gave a
     replicated result and an all-gather."""
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         x = jax.device_put(_random(jax.random.key(91), (B, K, N)), NamedSharding(mm, P("x", None, None)))
         for w_shape in ((M, K), (K,)):
             w = jax.device_put(_random(jax.random.key(90), w_shape), NamedSharding(mm, P()))
@@ -961,7 +957,7 @@ def test_explicit_fsdp_layout_gradients_follow_jnp(policy):
     dC w^T has dC's rows and w's K on one axis. jax's transpose gives dx x's type; our
     backward product built the result type [M@x, K@x] and raised DuplicateSpecError."""
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         x = jax.device_put(_random(jax.random.key(70), (M, K)), NamedSharding(mm, P("x", None)))
         w = jax.device_put(_random(jax.random.key(71), (K, N)), NamedSharding(mm, P("x", None)))
         w2 = jax.device_put(_random(jax.random.key(72), (N, K)), NamedSharding(mm, P("x", None)))
@@ -996,7 +992,7 @@ def test_explicit_gradients_of_weights_without_a_mesh_follow_jnp(case, policy):
     w1, b1 = _random(jax.random.key(80), (K, N)), _random(jax.random.key(81), (N,))
     w2, b2 = _random(jax.random.key(82), (N, K)), _random(jax.random.key(83), (K,))
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         x = jax.device_put(_random(jax.random.key(84), x_shape), NamedSharding(mm, x_spec))
         if first_layer is not None:
             w1, b1 = (jax.device_put(v, NamedSharding(mm, s)) for v, s in zip((w1, b1), first_layer))
@@ -1028,7 +1024,7 @@ def test_explicit_mesh_context_with_no_operand_on_it_runs_like_jnp(policy):
          lambda x, w1, b1: jax.nn.gelu(x @ w1 + b1) @ w2),
     ]
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         for f, ref_f in layers:
             for grad in (False, True):
                 def step(f):
@@ -1054,7 +1050,7 @@ def test_explicit_dense_residual_sharded_unlike_the_product_gets_jnps_type():
     """act(x @ w) + r with r sharded unlike x @ w: jnp's sum combines the shardings; the
     fused kernel's result type is x @ w's, so that layer runs jnp's computation."""
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         x = jax.device_put(_random(jax.random.key(50), (B, M, K)), NamedSharding(mm, P("x")))
         w = jax.device_put(_random(jax.random.key(51), (K, N)), NamedSharding(mm, P()))
         for r_spec in (P(None, None, "y"), P("x", None, "y"), P("x")):
@@ -1070,7 +1066,7 @@ def test_explicit_operand_next_to_one_without_a_mesh():
     mesh from w and treats x as replicated; the result type is jnp's (N sharded as w)."""
     mm = mesh(AxisType.Explicit)
     x = np.asarray(_random(jax.random.key(60), (M, K)))
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         w = jax.device_put(_random(jax.random.key(61), (K, N)), NamedSharding(mm, P(None, "y")))
         for f, ref_f in [(jax_hopper.matmul, jnp.matmul), (lambda a, b: jax_hopper.dense(a, b, activation="relu"),
                                                            lambda a, b: jax.nn.relu(a @ b))]:
@@ -1094,7 +1090,7 @@ def test_explicit_vmap_over_weights_with_sequence_sharded_activations():
     """vmap over per-example weights with x [B, S@x, K]: folding S into M is refused by
     jax under explicit axes; the batching rule leaves that product to XLA's dot."""
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         x = jax.device_put(_random(jax.random.key(62), (B, M, K)), NamedSharding(mm, P(None, "x")))
         ws = jax.device_put(_random(jax.random.key(63), (3, K, N)), NamedSharding(mm, P()))
         ours = jax.jit(jax.vmap(lambda w: jax_hopper.matmul(x, w)))(ws)
@@ -1106,7 +1102,7 @@ def test_explicit_vmap_over_weights_with_sequence_sharded_activations():
 def test_explicit_empty_contraction_is_zeros_of_the_result_type():
     """K = 0 on explicit axes: an empty sum (XLA refuses a shard_map of empty operands)."""
     mm = mesh(AxisType.Explicit)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         a = jax.device_put(jnp.ones((B, M, 0), jnp.float16), NamedSharding(mm, P(None, "x")))
         b = jax.device_put(jnp.ones((0, N), jnp.float16), NamedSharding(mm, P(None, "y")))
         bias = jax.device_put(_random(jax.random.key(64), (N,)), NamedSharding(mm, P("y")))
@@ -1161,7 +1157,7 @@ def test_explicit_mesh_mlp_gradients_follow_jnp(policy):
 
     mm = mesh(AxisType.Explicit)
     operands = block_operands((B, M), K, N, jnp.float16, seed=61)
-    with jax.sharding.use_mesh(mm) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mm):
+    with use_mesh(mm):
         placed = [jax.device_put(v, NamedSharding(mm, s))
                   for v, s in zip(operands, (P(None, "x"), P(), P(), P(), P()))]
         with jax_hopper.dispatch(policy):
@@ -1240,7 +1236,7 @@ def test_explicit_mesh_mlp_forward_mode_follows_jnp(policy):
     mm = mesh(AxisType.Explicit)
     operands = block_operands((B, M), K, N, jnp.float16, seed=65)
     tangents = block_operands((B, M), K, N, jnp.float16, seed=66)
-    with _use(mm):
+    with use_mesh(mm):
         placed, placed_t = (tuple(jax.device_put(v, NamedSharding(mm, s))
                                   for v, s in zip(vs, (P(None, "x"), P(), P(), P(), P())))
                             for vs in (operands, tangents))
@@ -1276,7 +1272,7 @@ def test_explicit_mesh_mlp_cotangents_take_their_operands_types(specs):
     def theirs(x, w1, b1, w2, b2, r):
         return jax.nn.silu(x @ w1 + b1) @ w2 + b2 + r
 
-    with _use(mm):
+    with use_mesh(mm):
         placed = [jax.device_put(v, NamedSharding(mm, s)) for v, s in zip((x, w1, b1, w2, b2, r), specs)]
         for policy in ("auto", "kernel"):
             with jax_hopper.dispatch(policy):
@@ -1292,7 +1288,7 @@ def test_explicit_matrix_against_a_batch_sharded_stack_on_its_k_axis():
     sharding, and gives up x on its K (jnp.matmul gathers that K). It asked for x twice
     (P('x', None, 'x'): DuplicateSpecError)."""
     mm = mesh(AxisType.Explicit)
-    with _use(mm):
+    with use_mesh(mm):
         a = jax.device_put(_random(jax.random.key(50), (M, K)), NamedSharding(mm, P(None, "x")))
         b = jax.device_put(_random(jax.random.key(51), (B * MESH_SHAPE[0], K, N)), NamedSharding(mm, P("x")))
         ours, theirs = jax.jit(jax_hopper.matmul)(a, b), jax.jit(jnp.matmul)(a, b)
@@ -1314,7 +1310,7 @@ def test_explicit_folds_that_jax_refuses_are_jaxs(a_shape, a_spec, b_shape, b_sp
     computed by jax (they raised ShardingTypeError, found by a fuzz of sharded products);
     jax 0.11 takes those reshapes, and our kernel's plan runs."""
     mm = mesh(AxisType.Explicit)
-    with _use(mm):
+    with use_mesh(mm):
         a = jax.device_put(_random(jax.random.key(52), a_shape), NamedSharding(mm, a_spec))
         b = jax.device_put(_random(jax.random.key(53), b_shape), NamedSharding(mm, b_spec))
         with jax_hopper.dispatch("kernel"):
